@@ -1,0 +1,34 @@
+"""GRPO for torchtitan: `[experimental] custom_import = "plugin"` registers grpo_llama3 and grpo_qwen3."""
+
+import dataclasses
+
+from torchtitan.protocols.train_spec import get_train_spec, register_train_spec
+
+from . import cpu
+
+# before torchtitan reads its device type (custom_import runs first in Trainer.__init__)
+cpu.activate()
+
+from .data import build_rollout_dataloader  # noqa: E402
+from .loss import build_grpo_loss  # noqa: E402
+from .metrics import build_grpo_metrics_processor  # noqa: E402
+from .model import build_grpo_parallelize_fn, grpo_model_cls  # noqa: E402
+
+
+def grpo_train_spec(base_name: str):
+    """torchtitan's TrainSpec for `base_name` with only what GRPO changes swapped in."""
+    base = get_train_spec(base_name)
+    return dataclasses.replace(
+        base,
+        model_cls=grpo_model_cls(base.model_cls),
+        parallelize_fn=build_grpo_parallelize_fn(base.parallelize_fn),
+        pipelining_fn=None,
+        build_dataloader_fn=build_rollout_dataloader,
+        build_loss_fn=build_grpo_loss,
+        build_validator_fn=None,
+        build_metrics_processor_fn=build_grpo_metrics_processor,
+    )
+
+
+for _name in ("llama3", "qwen3"):
+    register_train_spec(f"grpo_{_name}", grpo_train_spec(_name))

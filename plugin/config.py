@@ -1,0 +1,98 @@
+"""The [grpo] and [reference_model] TOML sections (`[job] custom_config_module = "plugin.config"`)."""
+
+import math
+from dataclasses import dataclass, field
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+LOSS_AGGREGATIONS = ("token_mean",)
+ADVANTAGE_NORMS = ("group_std", "batch_std", "none")
+
+
+@dataclass
+class GRPO:
+    clip_low: float = 0.2
+    """Lower clip of the importance ratio: the ratio is clipped to [1 - clip_low, 1 + clip_high]."""
+
+    clip_high: float = 0.2
+    """Upper clip of the importance ratio (DAPO's clip-higher uses a larger value than clip_low)."""
+
+    beta: float = 0.04
+    """Weight of the per-token KL penalty to the frozen reference model."""
+
+    kl_estimator: str = "k3"
+    """KL estimator per token: k1 = l - l_ref, k2 = (l - l_ref)^2 / 2, k3 = exp(l_ref - l) - (l_ref - l) - 1."""
+
+    loss_aggregation: str = "token_mean"
+    """How per-token losses become one loss: token_mean = sum over completion tokens / global token count."""
+
+    advantage_norm: str = "group_std"
+    """Advantage = reward - group mean, divided by the group's std (group_std), the batch's std (batch_std) or nothing (none)."""
+
+    advantage_eps: float = 1e-4
+    """Added to the std before dividing, so groups with equal rewards get zero advantage, not NaN."""
+
+    group_size: int = 0
+    """Completions per prompt; 0 infers it from the rollout file (every group must then have the same size)."""
+
+    temperature: float = 1.0
+    """Sampling temperature of the rollouts: logits are divided by it before log-probs are taken."""
+
+    logprob_chunk_size: int = 0
+    """Sequence positions scored per chunk through the output layer; 0 scores the whole sequence at once."""
+
+
+@dataclass
+class ReferenceModel:
+    compile: bool = False
+    """torch.compile the reference model's log-prob computation (the policy's follows [compile] components 'loss')."""
+
+
+@dataclass
+class JobConfig:
+    grpo: GRPO = field(default_factory=GRPO)
+    reference_model: ReferenceModel = field(default_factory=ReferenceModel)
+
+
+def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"[{key.split('.')[0]}] {key.split('.')[1]} = {value!r} is not one of {list(choices)}")
+
+
+def validate(job_config) -> None:
+    """Reject a bad [grpo]/[reference_model] value or an unsupported parallelism at start-up."""
+    g = job_config.grpo
+    _choice("grpo.kl_estimator", g.kl_estimator, KL_ESTIMATORS)
+    _choice("grpo.loss_aggregation", g.loss_aggregation, LOSS_AGGREGATIONS)
+    _choice("grpo.advantage_norm", g.advantage_norm, ADVANTAGE_NORMS)
+    if not 0 <= g.clip_low < 1:
+        raise ValueError(f"[grpo] clip_low = {g.clip_low} must be in [0, 1): the ratio's lower bound is 1 - clip_low")
+    if not g.clip_high >= 0:
+        raise ValueError(f"[grpo] clip_high = {g.clip_high} must be >= 0")
+    if not (g.beta >= 0 and math.isfinite(g.beta)):
+        raise ValueError(f"[grpo] beta = {g.beta} must be a finite number >= 0")
+    if not g.advantage_eps > 0:
+        raise ValueError(f"[grpo] advantage_eps = {g.advantage_eps} must be > 0")
+    if not g.temperature > 0:
+        raise ValueError(f"[grpo] temperature = {g.temperature} must be > 0")
+    if g.group_size < 0 or g.group_size == 1:
+        raise ValueError(f"[grpo] group_size = {g.group_size} must be 0 (infer) or >= 2: GRPO compares completions within a group")
+    if g.logprob_chunk_size < 0:
+        raise ValueError(f"[grpo] logprob_chunk_size = {g.logprob_chunk_size} must be >= 0 (0 = no chunking)")
+
+    p = job_config.parallelism
+    if p.pipeline_parallel_degree > 1:
+        raise ValueError(
+            f"[parallelism] pipeline_parallel_degree = {p.pipeline_parallel_degree}: pipeline parallelism "
+            "is not supported by the GRPO models yet; use tensor_parallel_degree and data_parallel_shard_degree"
+        )
+    if p.context_parallel_degree > 1:
+        raise ValueError(
+            f"[parallelism] context_parallel_degree = {p.context_parallel_degree}: context parallelism "
+            "is not supported by the GRPO models yet"
+        )
+    tp = p.tensor_parallel_degree
+    if tp > 1 and g.logprob_chunk_size % tp:
+        raise ValueError(
+            f"[grpo] logprob_chunk_size = {g.logprob_chunk_size} must be a multiple of "
+            f"[parallelism] tensor_parallel_degree = {tp}: each rank scores its sequence shard in chunks"
+        )

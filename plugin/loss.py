@@ -1,0 +1,106 @@
+"""GRPO loss: clipped-ratio policy term plus beta * KL to the reference, per completion token.
+
+It keeps torchtitan's loss contract: the loss function returns a SUM over valid tokens and the
+trainer divides by the global number of valid (non-IGNORE_INDEX) tokens, which is token_mean.
+"""
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.tools.logging import logger
+
+from .config import validate
+from .logprobs import maybe_compiled
+
+# log-ratio clamp for the k3 estimator: exp(20) ~ 5e8 already dwarfs any useful penalty
+KL_LOG_RATIO_CLAMP = 20.0
+# cap on one token's k3 value, as in TRL/verl: one outlier token cannot dominate the batch
+KL_MAX = 10.0
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token KL(pi || pi_ref) estimate from sampled-token log-probs."""
+    if estimator == "k1":
+        return logprobs - ref_logprobs
+    if estimator == "k2":
+        return 0.5 * (logprobs - ref_logprobs) ** 2
+    # k3 needs pi_ref / pi (not pi / pi_ref) to be an unbiased, non-negative estimate on-policy
+    d = (ref_logprobs - logprobs).clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)
+    return (d.exp() - d - 1).clamp(max=KL_MAX)
+
+
+@dataclass
+class TokenTerms:
+    loss: torch.Tensor  # [B, T] per-token loss, zero outside the mask
+    kl: torch.Tensor  # [B, T] detached
+    ratio: torch.Tensor  # [B, T] detached
+    clipped_low: torch.Tensor  # [B, T] bool: ratio < 1 - clip_low and A < 0 (the clip is active)
+    clipped_high: torch.Tensor  # [B, T] bool: ratio > 1 + clip_high and A > 0
+
+
+def grpo_token_terms(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    beta: float,
+    kl_estimator: str,
+) -> TokenTerms:
+    """Per-token GRPO terms; `advantages` is [B] (one per completion), everything else [B, T]."""
+    adv = advantages.to(logprobs.dtype)[:, None]  # [B, 1]
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * adv
+    loss = -torch.minimum(unclipped, clipped)
+    if ref_logprobs is not None and beta > 0:
+        kl = kl_penalty(logprobs, ref_logprobs, kl_estimator)
+        loss = loss + beta * kl
+    else:
+        kl = torch.zeros_like(logprobs)
+    mask = mask.to(loss.dtype)
+    ratio = ratio.detach()
+    return TokenTerms(
+        loss=loss * mask,
+        kl=kl.detach() * mask,
+        ratio=ratio,
+        clipped_low=(ratio < 1 - clip_low) & (adv < 0) & (mask > 0),
+        clipped_high=(ratio > 1 + clip_high) & (adv > 0) & (mask > 0),
+    )
+
+
+def grpo_loss(pred, labels: torch.Tensor, *, token_terms_fn, cfg) -> torch.Tensor:
+    """Sum of the per-token GRPO loss over completion tokens; records metrics on `pred.stats`."""
+    mask = labels != IGNORE_INDEX
+    old = pred.old_logprobs if pred.old_logprobs is not None else pred.logprobs.detach()
+    terms = token_terms_fn(
+        pred.logprobs,
+        old,
+        pred.ref_logprobs,
+        pred.advantages,
+        mask,
+        clip_low=cfg.clip_low,
+        clip_high=cfg.clip_high,
+        beta=cfg.beta,
+        kl_estimator=cfg.kl_estimator,
+    )
+    if pred.stats is not None:
+        pred.stats.record_tokens(terms, mask, pred)
+    return terms.loss.sum()
+
+
+def build_grpo_loss(job_config, **kwargs):
+    """The GRPO loss for torchtitan's TrainSpec; compiled when [compile] components has 'loss'."""
+    del kwargs
+    validate(job_config)
+    compile_loss = job_config.compile.enable and "loss" in job_config.compile.components
+    if compile_loss:
+        logger.info("Compiling the GRPO per-token loss with torch.compile")
+    terms_fn = maybe_compiled(grpo_token_terms, compile_loss, job_config.compile.backend)
+    return partial(grpo_loss, token_terms_fn=terms_fn, cfg=job_config.grpo)

@@ -1,0 +1,132 @@
+"""GRPO metrics: accumulated by the model and loss, reduced over DP ranks, logged by torchtitan's processor."""
+
+import time
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from torchtitan.components.metrics import MetricsProcessor
+
+from . import cpu
+
+_GIB = 1024**3
+
+# sums reduced with SUM over the data-parallel ranks; peaks with MAX
+_SUM_KEYS = (
+    "tokens", "kl", "ratio", "clip_low", "clip_high", "entropy",
+    "seqs", "reward", "reward_sq", "adv", "adv_sq",
+    "ref_passes", "ref_time",
+)
+_MAX_KEYS = ("ref_peak_mem", "ref_peak_growth")
+
+
+def memory_peak_bytes(device: torch.device) -> int:
+    """Peak memory since the last reset: allocated bytes on CUDA, the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return cpu.peak_rss_bytes()
+
+
+def memory_now_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    return cpu.current_rss_bytes()
+
+
+def reset_memory_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        cpu.reset_peak_rss()
+
+
+class GRPOStats:
+    """Running sums since the last log, filled by the model (reference pass) and the loss (tokens)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.sums = dict.fromkeys(_SUM_KEYS, 0.0)
+        self.peaks = dict.fromkeys(_MAX_KEYS, 0.0)
+
+    @torch.no_grad()
+    def record_tokens(self, terms, mask: torch.Tensor, pred) -> None:
+        m = mask.float()
+        s = self.sums
+        s["tokens"] += m.sum().item()
+        s["kl"] += terms.kl.sum().item()
+        s["ratio"] += (terms.ratio * m).sum().item()
+        s["clip_low"] += terms.clipped_low.sum().item()
+        s["clip_high"] += terms.clipped_high.sum().item()
+        s["entropy"] += (pred.entropy * m).sum().item()
+        rewards, adv = pred.rewards.float(), pred.advantages.float()
+        s["seqs"] += rewards.numel()
+        s["reward"] += rewards.sum().item()
+        s["reward_sq"] += (rewards**2).sum().item()
+        s["adv"] += adv.sum().item()
+        s["adv_sq"] += (adv**2).sum().item()
+
+    @contextmanager
+    def reference_pass(self, device: torch.device):
+        """Time the reference scoring pass and record its peak memory (absolute and growth)."""
+        reset_memory_peak(device)
+        start_mem = memory_now_bytes(device)
+        start = time.perf_counter()
+        yield
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self.sums["ref_time"] += time.perf_counter() - start
+        self.sums["ref_passes"] += 1
+        peak = memory_peak_bytes(device)
+        self.peaks["ref_peak_mem"] = max(self.peaks["ref_peak_mem"], peak / _GIB)
+        self.peaks["ref_peak_growth"] = max(self.peaks["ref_peak_growth"], (peak - start_mem) / _GIB)
+
+    def reduce(self, group: dist.ProcessGroup | None, device: torch.device) -> dict[str, float]:
+        """Metrics over all DP ranks; `group` None means a single DP rank."""
+        sums = torch.tensor([self.sums[k] for k in _SUM_KEYS], dtype=torch.float64, device=device)
+        peaks = torch.tensor([self.peaks[k] for k in _MAX_KEYS], dtype=torch.float64, device=device)
+        if group is not None:
+            dist.all_reduce(sums, group=group)
+            dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=group)
+        s = dict(zip(_SUM_KEYS, sums.tolist()))
+        p = dict(zip(_MAX_KEYS, peaks.tolist()))
+        tokens, seqs = max(s["tokens"], 1.0), max(s["seqs"], 1.0)
+        reward_mean, adv_mean = s["reward"] / seqs, s["adv"] / seqs
+        out = {
+            "grpo/kl": s["kl"] / tokens,
+            "grpo/ratio_mean": s["ratio"] / tokens,
+            "grpo/clip_fraction_low": s["clip_low"] / tokens,
+            "grpo/clip_fraction_high": s["clip_high"] / tokens,
+            "grpo/clip_fraction": (s["clip_low"] + s["clip_high"]) / tokens,
+            "grpo/entropy": s["entropy"] / tokens,
+            "grpo/reward_mean": reward_mean,
+            "grpo/reward_std": max(s["reward_sq"] / seqs - reward_mean**2, 0.0) ** 0.5,
+            "grpo/advantage_mean": adv_mean,
+            "grpo/advantage_std": max(s["adv_sq"] / seqs - adv_mean**2, 0.0) ** 0.5,
+            "grpo/completion_length_mean": s["tokens"] / seqs,
+        }
+        if s["ref_passes"]:
+            out["grpo/ref_time(s)"] = s["ref_time"] / s["ref_passes"]
+            out["grpo/ref_peak_memory(GiB)"] = p["ref_peak_mem"]
+            out["grpo/ref_peak_growth(GiB)"] = p["ref_peak_growth"]
+        return out
+
+
+class GRPOMetricsProcessor(MetricsProcessor):
+    """torchtitan's processor plus the grpo/* metrics, so they land in the same TensorBoard run."""
+
+    def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+        stats = getattr(self.model_parts[0], "grpo_stats", None) if self.model_parts else None
+        if stats is not None:
+            # TP/CP ranks hold copies of the same batch: reduce over the data-parallel ranks only
+            mesh = self.parallel_dims.get_optional_mesh("batch") if self.parallel_dims.dp_enabled else None
+            device = torch.device(self.device_memory_monitor.device)
+            extra_metrics = {**(extra_metrics or {}), **stats.reduce(mesh.get_group() if mesh else None, device)}
+            stats.reset()
+        super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
+
+
+def build_grpo_metrics_processor(job_config, parallel_dims, model_args=None, tag=None):
+    return GRPOMetricsProcessor(job_config, parallel_dims, tag)

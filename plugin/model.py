@@ -1,0 +1,212 @@
+"""Policy + frozen reference model, scored through one log-prob path, and their parallelize function.
+
+The reference is a deep copy of the policy's (meta-device) module, parallelized by the same
+torchtitan parallelize function on the same TP/FSDP mesh. It is kept out of the policy's
+module tree, so torchtitan's optimizer, grad-norm clipping, FSDP gradient reduction and
+checkpoint/export of `model_parts` only ever see the policy.
+"""
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from torchtitan.tools.logging import logger
+
+from . import cpu
+from .config import validate
+from .logprobs import compute_entropy, compute_logprobs, isolate_compile_cache, maybe_compiled
+from .metrics import GRPOStats
+
+
+@dataclass
+class PolicyOutput:
+    """What the model hands to the loss: per-token log-probs and the batch's per-completion data."""
+
+    logprobs: torch.Tensor  # [B, T] fp32, requires grad
+    entropy: torch.Tensor  # [B, T] fp32, detached
+    ref_logprobs: torch.Tensor | None  # [B, T] fp32; None when beta = 0
+    old_logprobs: torch.Tensor | None  # [B, T] behaviour log-probs; None means on-policy
+    advantages: torch.Tensor | None  # [B]
+    rewards: torch.Tensor | None  # [B]
+    stats: GRPOStats | None
+
+
+@dataclass
+class ScoringConfig:
+    temperature: float = 1.0
+    chunk_size: int = 0  # global sequence positions per chunk; 0 = whole sequence
+    seq_shards: int = 1  # ranks the trunk output is sequence-sharded over (TP degree)
+    compile: bool = False
+    compile_backend: str = "inductor"
+
+
+def _grpo_forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, advantages=None,
+                  rewards=None, old_logprobs=None, **kwargs):
+    """Logits when called without labels (torchtitan's own use); PolicyOutput with them."""
+    if labels is None:
+        return self._base_cls.forward(self, tokens, **kwargs)
+    ref_logprobs = None
+    if self.reference is not None:
+        if self._reference_stale:
+            self.sync_reference()
+        with torch.no_grad(), self.grpo_stats.reference_pass(tokens.device):
+            ref_logprobs = self.reference(tokens, labels=labels, **kwargs).logprobs
+    logprobs, entropy = self.score(tokens, labels, **kwargs)
+    return PolicyOutput(logprobs, entropy, ref_logprobs, old_logprobs, advantages, rewards, self.grpo_stats)
+
+
+def _hidden_states(self, tokens: torch.Tensor, **kwargs) -> torch.Tensor:
+    """The trunk's output before the final norm; sequence-sharded [B, T/TP, D] under TP."""
+    saved = self._modules["norm"], self._modules["output"]
+    # torchtitan's forward passes through absent layers (its pipeline-stage convention)
+    self._modules["norm"] = self._modules["output"] = None
+    try:
+        return self._base_cls.forward(self, tokens, **kwargs)
+    finally:
+        self._modules["norm"], self._modules["output"] = saved
+
+
+def _score_chunk(self, h: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropy of one chunk; its logits live only inside this call."""
+    logits = self.output(self.norm(h))  # [B, S*k, V] (a Shard(-1) DTensor under loss_parallel)
+    cfg = self.scoring
+    logprobs = maybe_compiled(compute_logprobs, cfg.compile, cfg.compile_backend)(logits, labels, cfg.temperature)
+    with torch.no_grad():
+        entropy = maybe_compiled(compute_entropy, cfg.compile, cfg.compile_backend)(logits.detach(), cfg.temperature)
+    return logprobs, entropy
+
+
+def _score(self, tokens: torch.Tensor, labels: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, T] log-probs of `labels` and entropies, one sequence chunk at a time."""
+    cfg = self.scoring
+    h = self._hidden_states(tokens, **kwargs)  # [B, T/S, D]
+    B, T = labels.shape
+    S, T_local = cfg.seq_shards, h.shape[1]
+    assert T_local * S == T, f"trunk output has {T_local} positions per rank, expected {T}/{S}"
+    # Under sequence parallelism rank r holds positions [r*T/S, (r+1)*T/S). Feeding each rank's
+    # chunk [c, c+k) to the output layer yields logits for positions {r*T/S + c..c+k} of every r,
+    # rank-major; the labels are laid out the same way.
+    labels_by_shard = labels.view(B, S, T_local)
+    k = T_local if cfg.chunk_size <= 0 else max(1, cfg.chunk_size // S)
+    # recompute each chunk in backward so its logits are freed right after the forward
+    recompute = torch.is_grad_enabled() and k < T_local
+    logprobs, entropy = [], []
+    for start in range(0, T_local, k):
+        h_c = h[:, start : start + k]
+        labels_c = labels_by_shard[:, :, start : start + k].reshape(B, -1)
+        if recompute:
+            lp, ent = checkpoint(self._score_chunk, h_c, labels_c, use_reentrant=False)
+        else:
+            lp, ent = self._score_chunk(h_c, labels_c)
+        logprobs.append(lp.view(B, S, -1))
+        entropy.append(ent.view(B, S, -1))
+    return torch.cat(logprobs, dim=2).view(B, T), torch.cat(entropy, dim=2).view(B, T)
+
+
+def _sync_reference(self) -> None:
+    """reference <- policy, parameter by parameter (same class, same parallelization, same shards)."""
+    with torch.no_grad():
+        ref_params = dict(self.reference.named_parameters())
+        for name, p in self.named_parameters():
+            ref_params[name].copy_(p)
+    self._reference_stale = False
+    logger.info("Reference model set to the policy's current weights")
+
+
+def _to_empty(self, *, device, recurse: bool = True):
+    self._base_cls.to_empty(self, device=device, recurse=recurse)
+    if self.reference is not None:
+        self.reference.to_empty(device=device, recurse=recurse)
+    return self
+
+
+def _init_weights(self, *args, **kwargs):
+    self._base_cls.init_weights(self, *args, **kwargs)
+    if self.reference is not None:
+        # buffers (RoPE tables) are computed here; the weights are copied from the policy
+        # at the first forward, i.e. after torchtitan's checkpoint load if there is one
+        self.reference.init_weights(*args, **kwargs)
+        self._reference_stale = True
+
+
+def _train(self, mode: bool = True):
+    self._base_cls.train(self, mode)
+    if self.reference is not None:
+        self.reference.eval()
+    return self
+
+
+_GRPO_CLASSES: dict[type, type] = {}
+
+
+def grpo_model_cls(base: type[nn.Module]) -> type[nn.Module]:
+    """A subclass of torchtitan's model class that scores labels and owns a frozen reference."""
+    if base not in _GRPO_CLASSES:
+        _GRPO_CLASSES[base] = type(f"GRPO{base.__name__}", (base,), {
+            "_base_cls": base,
+            "reference": None,
+            "_reference_stale": False,
+            "grpo_stats": None,
+            "scoring": ScoringConfig(),
+            "forward": _grpo_forward,
+            "score": _score,
+            "_score_chunk": _score_chunk,
+            "_hidden_states": _hidden_states,
+            "sync_reference": _sync_reference,
+            "to_empty": _to_empty,
+            "init_weights": _init_weights,
+            "train": _train,
+        })
+    return _GRPO_CLASSES[base]
+
+
+def _mark_reference_stale(module, incompatible_keys) -> None:
+    # a checkpoint load changed the policy: the reference starts from the loaded weights
+    module._reference_stale = module.reference is not None
+
+
+def build_grpo_parallelize_fn(base_parallelize: Callable) -> Callable:
+    """Wrap torchtitan's parallelize function: parallelize the policy and its reference alike."""
+
+    def parallelize_grpo(model: nn.Module, parallel_dims, job_config) -> nn.Module:
+        validate(job_config)
+        compile_cfg = job_config.compile
+        policy_compiled = compile_cfg.enable and "loss" in compile_cfg.components
+        ref_compiled = job_config.reference_model.compile
+        if parallel_dims.tp_enabled and (compile_cfg.enable or ref_compiled):
+            isolate_compile_cache(torch.distributed.get_rank())
+
+        reference = None
+        if job_config.grpo.beta > 0:
+            reference = copy.deepcopy(model)  # still on meta: no memory yet
+            reference = base_parallelize(reference, parallel_dims, job_config)
+            reference.requires_grad_(False)
+            cpu.prepare_parallelized(reference)
+        else:
+            logger.info("[grpo] beta = 0: no reference model is built")
+
+        model = base_parallelize(model, parallel_dims, job_config)
+        cpu.prepare_parallelized(model)
+
+        seq_shards = parallel_dims.tp if parallel_dims.tp_enabled else 1
+        common = dict(
+            temperature=job_config.grpo.temperature,
+            chunk_size=job_config.grpo.logprob_chunk_size,
+            seq_shards=seq_shards,
+            compile_backend=compile_cfg.backend,
+        )
+        model.scoring = ScoringConfig(compile=policy_compiled, **common)
+        model.grpo_stats = GRPOStats()
+        if reference is not None:
+            reference.scoring = ScoringConfig(compile=ref_compiled, **common)
+            # a plain attribute, not a submodule: invisible to parameters(), state_dict(), FSDP's root
+            model.__dict__["reference"] = reference
+            model._reference_stale = True
+            model.register_load_state_dict_post_hook(_mark_reference_stale)
+        return model
+
+    return parallelize_grpo
