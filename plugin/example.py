@@ -1,0 +1,233 @@
+"""A bundled verifiable GRPO task (two-digit addition and subtraction) and its tokenizer.
+
+Rollout rows are JSONL: {"prompt": "Q: 37+45=", "completion": " 82\\n", "reward": 1.0, "group": 0}.
+All completions sampled for one prompt share `group`; the reward comes only from `reward()`.
+
+Usage:
+    python -m plugin.example rollouts --split train --out data/arith_rollouts.jsonl \\
+        --groups 512 --group-size 4 --seed 0
+    python -m plugin.example rollouts --split heldout --out data/arith_heldout.jsonl \\
+        --groups 64 --group-size 4 --seed 1
+    python -m plugin.example tokenizer --out plugin/assets/tokenizer
+
+Simplifications:
+1. Completions come from a noisy rule-based solver, not from a policy model.
+2. Operands are 0..99 and the operator is + or -, so the prompt space has 20,000 prompts.
+3. A prompt is held out iff crc32(prompt) % 8 == 0; the split is fixed, seeds only pick from it.
+"""
+
+import argparse
+import json
+import random
+import re
+import zlib
+from pathlib import Path
+
+TOKENIZER_DIR = Path(__file__).parent / "assets" / "tokenizer"
+
+BOS_TOKEN = "<|begin_of_text|>"
+EOS_TOKEN = "<|end_of_text|>"
+PAD_TOKEN = "<|pad|>"
+VOCAB_SIZE = 2048
+
+END = "\n"
+OPERAND_MAX = 99
+HELDOUT_MODULUS = 8
+
+_PROMPT_RE = re.compile(r"Q: (\d+)([+-])(\d+)=")
+# Canonical integers only: no leading zeros, no "-0", exactly one leading space.
+_COMPLETION_RE = re.compile(r" (0|-?[1-9]\d*)" + re.escape(END))
+
+
+def make_prompt(a: int, op: str, b: int) -> str:
+    return f"Q: {a}{op}{b}="
+
+
+def answer(prompt: str) -> int:
+    """The exact result of the prompt's expression."""
+    match = _PROMPT_RE.fullmatch(prompt)
+    if match is None:
+        raise ValueError(f"not an arithmetic prompt: {prompt!r}")
+    a, op, b = int(match[1]), match[2], int(match[3])
+    return a + b if op == "+" else a - b
+
+
+def reward(prompt: str, completion: str) -> float:
+    """1.0 iff the completion is exactly " <answer>\\n" with the right canonical integer, else 0.0.
+
+    Anything else scores 0.0: a wrong number, a missing or doubled end marker, extra or missing
+    spaces, leading zeros, "-0", or any text before or after the number. No partial credit.
+    """
+    match = _COMPLETION_RE.fullmatch(completion)
+    if match is None:
+        return 0.0
+    return 1.0 if int(match[1]) == answer(prompt) else 0.0
+
+
+def is_heldout(prompt: str) -> bool:
+    """Whether a prompt belongs to the held-out split."""
+    # crc32, unlike hash(), is the same in every process and on every platform.
+    return zlib.crc32(prompt.encode()) % HELDOUT_MODULUS == 0
+
+
+def prompt_pool(split: str) -> list[str]:
+    """All prompts of one split, in a fixed order."""
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    want_heldout = split == "heldout"
+    return [
+        prompt
+        for op in "+-"
+        for a in range(OPERAND_MAX + 1)
+        for b in range(OPERAND_MAX + 1)
+        if is_heldout(prompt := make_prompt(a, op, b)) == want_heldout
+    ]
+
+
+def _wrong_number(correct: int, rng: random.Random) -> int:
+    """A plausible mistake: a digit swap or an off-by-a-little answer."""
+    digits = str(abs(correct))
+    if rng.random() < 0.4 and len(digits) >= 2 and digits[0] != digits[1]:
+        swapped = int(digits[1] + digits[0] + digits[2:])
+        return -swapped if correct < 0 else swapped
+    return correct + rng.choice([-10, -2, -1, 1, 2, 10])
+
+
+def solve(prompt: str, rng: random.Random) -> str:
+    """One completion from a noisy solver: right about half the time, sometimes malformed."""
+    correct = answer(prompt)
+    u = rng.random()
+    if u < 0.5:
+        return f" {correct}{END}"
+    if u < 0.85:
+        return f" {_wrong_number(correct, rng)}{END}"
+    # Malformed: truncated before the end marker, or chatter after the number.
+    if u < 0.93:
+        return f" {correct}"
+    return f" {correct} is the answer{END}"
+
+
+def generate_rollouts(
+    n_groups: int, group_size: int, seed: int, split: str = "train"
+) -> list[dict]:
+    """Rollout rows for `n_groups` distinct prompts of `split`, `group_size` completions each."""
+    if group_size < 2:
+        raise ValueError("group_size must be >= 2 so each group can mix rewards")
+    rng = random.Random(seed)
+    pool = prompt_pool(split)
+    if n_groups > len(pool):
+        raise ValueError(f"{split} has only {len(pool)} prompts, asked for {n_groups}")
+    rows = []
+    for group, prompt in enumerate(rng.sample(pool, n_groups)):
+        # Resample until the group has a right and a wrong answer, else its advantages are all 0.
+        while True:
+            completions = [solve(prompt, rng) for _ in range(group_size)]
+            rewards = [reward(prompt, c) for c in completions]
+            if len(set(rewards)) >= 2:
+                break
+        rows.extend(
+            {"prompt": prompt, "completion": c, "reward": r, "group": group}
+            for c, r in zip(completions, rewards)
+        )
+    return rows
+
+
+def write_jsonl(rows: list[dict], path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8", newline="\n") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+_WORDS = """
+the of and to in is was that for it with as on be at by this had not are but from or have an
+they which one you were her all she there would their we him been has when who will more no if
+out so said what up its about into than them can only other new some could time these two may
+then do first any my now such like our over man me even most made after also did many before
+must through back years where much your way well down should because each just those people
+how too little state good very make world still own see men work long get here between both
+life being under never day same another know while last might us great old year off come
+since against go came right used take three small large number answer question sum difference
+add subtract plus minus equals count check result model learn train reward group sample value
+""".split()
+
+
+def tokenizer_corpus(seed: int = 0) -> list[str]:
+    """Training text for the tokenizer: arithmetic lines plus English-like sentences."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(40_000):
+        a, b, op = rng.randint(0, OPERAND_MAX), rng.randint(0, OPERAND_MAX), rng.choice("+-")
+        prompt = make_prompt(a, op, b)
+        lines.append(f"{prompt} {answer(prompt)}{END}")
+    # Larger numbers give the merges left over after the words a useful job.
+    for _ in range(20_000):
+        lines.append(f"{rng.randint(0, 9999)}, {rng.randint(0, 999)}.{END}")
+    for _ in range(20_000):
+        words = rng.choices(_WORDS, k=rng.randint(4, 14))
+        words[0] = words[0].capitalize()
+        lines.append(" ".join(words) + rng.choice(".?!,;:") + END)
+    return lines
+
+
+def train_tokenizer(out_dir: str | Path) -> None:
+    """Train the byte-level BPE tokenizer and write tokenizer.json + tokenizer_config.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        min_frequency=2,
+        special_tokens=[BOS_TOKEN, EOS_TOKEN, PAD_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    # Byte-identical output for any RAYON_NUM_THREADS (checked 1, 2, 4, 16), so none is forced.
+    tokenizer.train_from_iterator(tokenizer_corpus(), trainer=trainer)
+    if tokenizer.get_vocab_size() != VOCAB_SIZE:
+        raise RuntimeError(f"trained {tokenizer.get_vocab_size()} tokens, want {VOCAB_SIZE}")
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(out_dir / "tokenizer.json"), pretty=False)
+    # torchtitan's HuggingFaceTokenizer reads bos/eos from here; BOS/EOS are added only on request.
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "add_bos_token": False,
+        "add_eos_token": False,
+    }
+    with open(out_dir / "tokenizer_config.json", "w", encoding="utf-8", newline="\n") as f:
+        f.write(json.dumps(config, indent=2) + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m plugin.example", description=__doc__.split("\n")[0]
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    rollouts = sub.add_parser("rollouts", help="write rollout JSONL")
+    rollouts.add_argument("--out", required=True)
+    # Required so a held-out file can never be written from the train split by default.
+    rollouts.add_argument("--split", required=True, choices=["train", "heldout"])
+    rollouts.add_argument("--groups", type=int, required=True)
+    rollouts.add_argument("--group-size", type=int, required=True)
+    rollouts.add_argument("--seed", type=int, required=True)
+    tok = sub.add_parser("tokenizer", help="train and write the bundled tokenizer")
+    tok.add_argument("--out", default=str(TOKENIZER_DIR))
+    args = parser.parse_args(argv)
+
+    if args.command == "rollouts":
+        rows = generate_rollouts(args.groups, args.group_size, args.seed, args.split)
+        write_jsonl(rows, args.out)
+    else:
+        train_tokenizer(args.out)
+
+
+if __name__ == "__main__":
+    main()
