@@ -31,6 +31,21 @@ from .config import validate
 FIELDS = {"prompt": str, "completion": str, "reward": (int, float), "group": (str, int)}
 
 
+@dataclass
+class Rollouts:
+    """Per-completion values that travel with a batch to the loss.
+
+    Deliberately not a tensor, dict or other pytree: FSDP's mixed-precision policy casts every
+    floating-point forward input to the param dtype, which would round advantages to bf16.
+    """
+
+    advantages: torch.Tensor  # [B] fp32
+    rewards: torch.Tensor  # [B] fp32
+
+    def to(self, device: torch.device) -> "Rollouts":
+        return Rollouts(self.advantages.to(device), self.rewards.to(device))
+
+
 class RolloutError(ValueError):
     """A rollout row that cannot be trained on; the message names the file, line and field."""
 
@@ -162,7 +177,7 @@ class Collate:
             labels[i, c.prompt_len - 1 : len(seq) - 1] = seq[c.prompt_len :]
         rewards = torch.tensor([c.reward for c in batch], dtype=torch.float32)
         adv = advantages(rewards, self.group_size, self.norm, self.eps)
-        return {"input": inputs, "labels": labels, "advantages": adv, "rewards": rewards}, labels
+        return {"input": inputs, "labels": labels, "rollouts": Rollouts(adv, rewards)}, labels
 
 
 def build_rollout_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config, **kwargs):

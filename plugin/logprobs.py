@@ -8,10 +8,12 @@ TP > 1, and backward also runs inside it, as loss_parallel requires.
 """
 
 import os
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate
+from torch.utils.checkpoint import checkpoint
 
 from torchtitan.components.loss import IGNORE_INDEX
 
@@ -47,17 +49,68 @@ def compute_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Ten
     return _plain(-(logp.exp() * logp).sum(-1))
 
 
-_compiled: dict[str, object] = {}
+_compiled: dict[object, object] = {}
 
 
 def maybe_compiled(fn, enabled: bool, backend: str = "inductor"):
     """`fn` compiled once per (function, backend) when `enabled`, else `fn` itself."""
     if not enabled:
         return fn
-    key = f"{fn.__qualname__}:{backend}"
-    if key not in _compiled:
-        _compiled[key] = torch.compile(fn, backend=backend)
-    return _compiled[key]
+    if (fn, backend) not in _compiled:
+        _compiled[fn, backend] = torch.compile(fn, backend=backend)
+    return _compiled[fn, backend]
+
+
+def _score_chunk(head, h, labels, temperature, compiled):
+    """Log-probs and entropy of one chunk; its logits live only inside this call."""
+    logits = head(h)  # [B, k, V], or a Shard(-1) DTensor under loss_parallel
+    logprobs = maybe_compiled(compute_logprobs, compiled)(logits, labels, temperature)
+    with torch.no_grad():
+        entropy = maybe_compiled(compute_entropy, compiled)(logits.detach(), temperature)
+    return logprobs, entropy
+
+
+def chunked_logprobs(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 0,
+    seq_shards: int = 1,
+    compiled: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, T] log-probs of `labels` and entropies from trunk states, scoring one sequence chunk at a time.
+
+    Args:
+        hidden: [B, T / seq_shards, D], this rank's sequence shard of the trunk output.
+        labels: [B, T], the full sequence's labels (replicated across TP ranks).
+        head: hidden chunk -> logits (final norm + output layer, possibly vocab-parallel).
+        chunk_size: global sequence positions per chunk; 0 scores the whole sequence at once.
+        seq_shards: ranks the sequence is sharded over (the TP degree under sequence parallelism).
+    """
+    B, T = labels.shape
+    S, T_local = seq_shards, hidden.shape[1]
+    if T_local * S != T:
+        raise ValueError(f"hidden has {T_local} positions per rank; labels need {T} / {S}")
+    # Under sequence parallelism rank r holds positions [r*T/S, (r+1)*T/S). Giving each rank's
+    # chunk [c, c+k) to the output layer yields logits for positions r*T/S + [c, c+k) of every
+    # r, rank-major; the labels are laid out the same way.
+    labels_by_shard = labels.view(B, S, T_local)
+    k = T_local if chunk_size <= 0 else max(1, chunk_size // S)
+    # with several chunks, recompute each in backward so its logits are freed after its forward
+    recompute = torch.is_grad_enabled() and k < T_local
+    logprobs, entropy = [], []
+    for start in range(0, T_local, k):
+        h_c = hidden[:, start : start + k]
+        labels_c = labels_by_shard[:, :, start : start + k].reshape(B, -1)
+        if recompute:
+            lp, ent = checkpoint(_score_chunk, head, h_c, labels_c, temperature, compiled, use_reentrant=False)
+        else:
+            lp, ent = _score_chunk(head, h_c, labels_c, temperature, compiled)
+        logprobs.append(lp.view(B, S, -1))
+        entropy.append(ent.view(B, S, -1))
+    return torch.cat(logprobs, dim=2).view(B, T), torch.cat(entropy, dim=2).view(B, T)
 
 
 def isolate_compile_cache(rank: int) -> None:

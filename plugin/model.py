@@ -12,13 +12,13 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from torchtitan.tools.logging import logger
 
 from . import cpu
 from .config import validate
-from .logprobs import compute_entropy, compute_logprobs, isolate_compile_cache, maybe_compiled
+from .logprobs import chunked_logprobs, isolate_compile_cache
 from .metrics import GRPOStats
 
 
@@ -41,14 +41,13 @@ class ScoringConfig:
     chunk_size: int = 0  # global sequence positions per chunk; 0 = whole sequence
     seq_shards: int = 1  # ranks the trunk output is sequence-sharded over (TP degree)
     compile: bool = False
-    compile_backend: str = "inductor"
 
 
-def _grpo_forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, advantages=None,
-                  rewards=None, old_logprobs=None, **kwargs):
+def _grpo_forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, rollouts=None, **kwargs):
     """Logits when called without labels (torchtitan's own use); PolicyOutput with them."""
     if labels is None:
         return self._base_cls.forward(self, tokens, **kwargs)
+    rollouts = rollouts.to(tokens.device) if rollouts is not None else None
     ref_logprobs = None
     if self.reference is not None:
         if self._reference_stale:
@@ -56,7 +55,9 @@ def _grpo_forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None
         with torch.no_grad(), self.grpo_stats.reference_pass(tokens.device):
             ref_logprobs = self.reference(tokens, labels=labels, **kwargs).logprobs
     logprobs, entropy = self.score(tokens, labels, **kwargs)
-    return PolicyOutput(logprobs, entropy, ref_logprobs, old_logprobs, advantages, rewards, self.grpo_stats)
+    if rollouts is None:  # the reference's own call: only log-probs are asked for
+        return PolicyOutput(logprobs, entropy, None, None, None, None, None)
+    return PolicyOutput(logprobs, entropy, ref_logprobs, None, rollouts.advantages, rollouts.rewards, self.grpo_stats)
 
 
 def _hidden_states(self, tokens: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -70,41 +71,18 @@ def _hidden_states(self, tokens: torch.Tensor, **kwargs) -> torch.Tensor:
         self._modules["norm"], self._modules["output"] = saved
 
 
-def _score_chunk(self, h: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs and entropy of one chunk; its logits live only inside this call."""
-    logits = self.output(self.norm(h))  # [B, S*k, V] (a Shard(-1) DTensor under loss_parallel)
-    cfg = self.scoring
-    logprobs = maybe_compiled(compute_logprobs, cfg.compile, cfg.compile_backend)(logits, labels, cfg.temperature)
-    with torch.no_grad():
-        entropy = maybe_compiled(compute_entropy, cfg.compile, cfg.compile_backend)(logits.detach(), cfg.temperature)
-    return logprobs, entropy
-
-
 def _score(self, tokens: torch.Tensor, labels: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, T] log-probs of `labels` and entropies, one sequence chunk at a time."""
+    """[B, T] log-probs of `labels` and entropies under this model."""
     cfg = self.scoring
-    h = self._hidden_states(tokens, **kwargs)  # [B, T/S, D]
-    B, T = labels.shape
-    S, T_local = cfg.seq_shards, h.shape[1]
-    assert T_local * S == T, f"trunk output has {T_local} positions per rank, expected {T}/{S}"
-    # Under sequence parallelism rank r holds positions [r*T/S, (r+1)*T/S). Feeding each rank's
-    # chunk [c, c+k) to the output layer yields logits for positions {r*T/S + c..c+k} of every r,
-    # rank-major; the labels are laid out the same way.
-    labels_by_shard = labels.view(B, S, T_local)
-    k = T_local if cfg.chunk_size <= 0 else max(1, cfg.chunk_size // S)
-    # recompute each chunk in backward so its logits are freed right after the forward
-    recompute = torch.is_grad_enabled() and k < T_local
-    logprobs, entropy = [], []
-    for start in range(0, T_local, k):
-        h_c = h[:, start : start + k]
-        labels_c = labels_by_shard[:, :, start : start + k].reshape(B, -1)
-        if recompute:
-            lp, ent = checkpoint(self._score_chunk, h_c, labels_c, use_reentrant=False)
-        else:
-            lp, ent = self._score_chunk(h_c, labels_c)
-        logprobs.append(lp.view(B, S, -1))
-        entropy.append(ent.view(B, S, -1))
-    return torch.cat(logprobs, dim=2).view(B, T), torch.cat(entropy, dim=2).view(B, T)
+    return chunked_logprobs(
+        self._hidden_states(tokens, **kwargs),
+        labels,
+        lambda h: self.output(self.norm(h)),
+        temperature=cfg.temperature,
+        chunk_size=cfg.chunk_size,
+        seq_shards=cfg.seq_shards,
+        compiled=cfg.compile,
+    )
 
 
 def _sync_reference(self) -> None:
@@ -150,11 +128,11 @@ def grpo_model_cls(base: type[nn.Module]) -> type[nn.Module]:
             "_base_cls": base,
             "reference": None,
             "_reference_stale": False,
+            "_reference_restored": False,
             "grpo_stats": None,
             "scoring": ScoringConfig(),
             "forward": _grpo_forward,
             "score": _score,
-            "_score_chunk": _score_chunk,
             "_hidden_states": _hidden_states,
             "sync_reference": _sync_reference,
             "to_empty": _to_empty,
@@ -165,8 +143,49 @@ def grpo_model_cls(base: type[nn.Module]) -> type[nn.Module]:
 
 
 def _mark_reference_stale(module, incompatible_keys) -> None:
-    # a checkpoint load changed the policy: the reference starts from the loaded weights
-    module._reference_stale = module.reference is not None
+    # a model-only load (initial weights) changed the policy: the reference starts from it,
+    # unless a full checkpoint just restored the reference itself
+    module._reference_stale = module.reference is not None and not module._reference_restored
+
+
+REFERENCE_PREFIX = "grpo_reference."
+
+
+class _ReferenceInTrainingState:
+    """Optimizer-container mixin that saves/restores the reference with the training state.
+
+    The reference is training state, like the optimizer's moments: it belongs in full
+    checkpoints (so a resume is exact, and a synced reference survives), but never in the
+    model-only / HF export, which is built from the policy's state dict alone.
+    """
+
+    def state_dict(self):
+        sd = super().state_dict()
+        reference = self.model_parts[0].reference
+        if reference is not None:
+            sd.update({REFERENCE_PREFIX + k: v for k, v in get_model_state_dict(reference).items()})
+        return sd
+
+    def load_state_dict(self, state_dict):
+        ref_sd = {k[len(REFERENCE_PREFIX):]: state_dict.pop(k) for k in list(state_dict) if k.startswith(REFERENCE_PREFIX)}
+        super().load_state_dict(state_dict)
+        model = self.model_parts[0]
+        if ref_sd and model.reference is not None:
+            set_model_state_dict(model.reference, ref_sd)
+            model._reference_restored, model._reference_stale = True, False
+            logger.info("Reference model restored from the checkpoint")
+
+
+def build_grpo_optimizers_fn(base_build: Callable) -> Callable:
+    """Wrap torchtitan's optimizer builder so checkpoints carry the reference model."""
+
+    def build_grpo_optimizers(model_parts, optimizer_config, parallel_dims, *args, **kwargs):
+        container = base_build(model_parts, optimizer_config, parallel_dims, *args, **kwargs)
+        base = type(container)
+        container.__class__ = type(f"GRPO{base.__name__}", (_ReferenceInTrainingState, base), {})
+        return container
+
+    return build_grpo_optimizers
 
 
 def build_grpo_parallelize_fn(base_parallelize: Callable) -> Callable:
@@ -197,7 +216,6 @@ def build_grpo_parallelize_fn(base_parallelize: Callable) -> Callable:
             temperature=job_config.grpo.temperature,
             chunk_size=job_config.grpo.logprob_chunk_size,
             seq_shards=seq_shards,
-            compile_backend=compile_cfg.backend,
         )
         model.scoring = ScoringConfig(compile=policy_compiled, **common)
         model.grpo_stats = GRPOStats()
