@@ -1,0 +1,105 @@
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from plugin.config import GRPO
+from plugin.loss import KL_MAX, build_grpo_loss, grpo_token_terms, kl_penalty
+from plugin.metrics import GRPOStats
+from plugin.model import PolicyOutput
+from torchtitan.components.loss import IGNORE_INDEX
+
+
+def reference_token_loss(lp, old, ref, adv, mask, clip_low, clip_high, beta, est):
+    """fp64, element by element, straight from the formulas in grpo-reference.md."""
+    out = torch.zeros_like(lp, dtype=torch.float64)
+    B, T = lp.shape
+    for b in range(B):
+        for t in range(T):
+            if not mask[b, t]:
+                continue
+            l, lo, lr, a = float(lp[b, t]), float(old[b, t]), float(ref[b, t]), float(adv[b])
+            r = math.exp(l - lo)
+            pg = -min(r * a, min(max(r, 1 - clip_low), 1 + clip_high) * a)
+            if est == "k1":
+                kl = l - lr
+            elif est == "k2":
+                kl = 0.5 * (l - lr) ** 2
+            else:
+                d = min(max(lr - l, -20.0), 20.0)
+                kl = min(math.exp(d) - d - 1, KL_MAX)
+            out[b, t] = pg + beta * kl
+    return out
+
+
+@pytest.mark.parametrize("est", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("clip_low, clip_high, beta", [(0.2, 0.2, 0.04), (0.1, 0.28, 0.0), (0.2, 0.2, 1.0)])
+def test_token_terms_match_reference(est, clip_low, clip_high, beta):
+    g = torch.Generator().manual_seed(0)
+    B, T = 5, 47
+    lp = (-torch.rand(B, T, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    old = lp.detach() + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3  # off-policy: ratios != 1
+    ref = lp.detach() + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.5
+    adv = torch.randn(B, generator=g, dtype=torch.float64)
+    mask = torch.rand(B, T, generator=g) > 0.3
+    terms = grpo_token_terms(lp, old, ref, adv, mask, clip_low=clip_low, clip_high=clip_high, beta=beta, kl_estimator=est)
+    expected = reference_token_loss(lp.detach(), old, ref, adv, mask, clip_low, clip_high, beta, est)
+    torch.testing.assert_close(terms.loss.detach(), expected, rtol=1e-10, atol=1e-12)
+
+    # gradient by finite differences of the reference, at a few masked-in positions
+    terms.loss.sum().backward()
+    eps = 1e-6
+    for b, t in mask.nonzero()[:6].tolist():
+        bumped = lp.detach().clone()
+        bumped[b, t] += eps
+        up = reference_token_loss(bumped, old, ref, adv, mask, clip_low, clip_high, beta, est).sum()
+        bumped[b, t] -= 2 * eps
+        down = reference_token_loss(bumped, old, ref, adv, mask, clip_low, clip_high, beta, est).sum()
+        assert lp.grad[b, t].item() == pytest.approx(((up - down) / (2 * eps)).item(), rel=1e-4, abs=1e-7)
+    assert lp.grad[~mask].eq(0).all()
+
+    ratio = torch.exp(lp.detach() - old)
+    assert torch.equal(terms.clipped_low, (ratio < 1 - clip_low) & (adv[:, None] < 0) & mask)
+    assert torch.equal(terms.clipped_high, (ratio > 1 + clip_high) & (adv[:, None] > 0) & mask)
+
+
+def test_k3_is_nonnegative_zero_at_equality_and_clamped():
+    lp = torch.tensor([-1.0, -2.0, -0.5, -30.0])
+    ref = torch.tensor([-1.0, -0.1, -3.0, -0.0])
+    k3 = kl_penalty(lp, ref, "k3")
+    assert k3[0] == 0
+    assert (k3 >= 0).all()
+    assert k3[3] == KL_MAX  # exp(20) - 21 would be ~5e8
+    # k3 uses pi_ref / pi: with d = ref - lp, exp(d) - d - 1
+    d = ref[1] - lp[1]
+    assert k3[1].item() == pytest.approx((d.exp() - d - 1).item())
+
+
+def test_on_policy_loss_sum_and_gradient():
+    """On-policy (old = lp.detach()): loss = -sum(A * mask) and d/dlp = -A * mask, plus beta * k3 terms."""
+    cfg = GRPO(beta=0.0)
+    job = SimpleNamespace(
+        grpo=cfg, compile=SimpleNamespace(enable=False, components=[], backend="inductor"),
+        parallelism=SimpleNamespace(pipeline_parallel_degree=1, context_parallel_degree=1, tensor_parallel_degree=1),
+    )
+    loss_fn = build_grpo_loss(job)
+    lp = torch.randn(3, 6).requires_grad_()
+    labels = torch.randint(0, 10, (3, 6))
+    labels[:, :2] = IGNORE_INDEX
+    adv = torch.tensor([1.0, -0.5, 0.25])
+    stats = GRPOStats()
+    pred = PolicyOutput(lp, torch.ones(3, 6), None, None, adv, torch.tensor([1.0, 0.0, 0.5]), stats)
+    loss = loss_fn(pred, labels)
+    mask = (labels != IGNORE_INDEX).float()
+    assert loss.item() == pytest.approx(-(adv[:, None] * mask).sum().item())
+    loss.backward()
+    torch.testing.assert_close(lp.grad, -adv[:, None] * mask)
+    m = stats.reduce(None, torch.device("cpu"))
+    assert m["grpo/ratio_mean"] == pytest.approx(1.0)
+    assert m["grpo/clip_fraction"] == 0
+    assert m["grpo/entropy"] == pytest.approx(1.0)
+    assert m["grpo/reward_mean"] == pytest.approx(0.5)
+    assert m["grpo/reward_std"] == pytest.approx(torch.tensor([1.0, 0.0, 0.5]).std(unbiased=False).item())
+    assert m["grpo/completion_length_mean"] == pytest.approx(4.0)
+    assert m["grpo/advantage_mean"] == pytest.approx(adv.mean().item())
