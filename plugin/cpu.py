@@ -1,0 +1,147 @@
+"""What torchtitan 0.2.2 needs to train on a CPU-only machine over gloo, and only that."""
+
+import importlib
+import os
+import platform
+from types import SimpleNamespace
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor.parallel import RowwiseParallel
+
+# Modules that copied `device_type` / `device_module` from torchtitan.tools.utils by value.
+_DEVICE_MODULES = (
+    "torchtitan.tools.utils",
+    "torchtitan.distributed.utils",
+    "torchtitan.distributed.parallel_dims",
+    "torchtitan.components.metrics",
+    "torchtitan.tools.profiling",
+)
+
+_active = False
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024  # the kernel reports kB
+    raise RuntimeError(f"{field} not found in /proc/self/status")
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (VmHWM)."""
+    return _status_bytes("VmHWM")
+
+
+def current_rss_bytes() -> int:
+    """Resident set size of this process now (VmRSS)."""
+    return _status_bytes("VmRSS")
+
+
+def reset_peak_rss() -> bool:
+    """Reset the peak RSS to the current RSS; False where the kernel refuses."""
+    try:
+        # "5" resets only VmHWM, leaving page-table state alone (man 5 proc).
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine() or "cpu"
+
+
+class _CPUDeviceModule:
+    """Answers the torch.cuda calls torchtitan makes; the rest goes to torch.cpu."""
+
+    def __getattr__(self, name):
+        return getattr(torch.cpu, name)
+
+    def current_device(self) -> int:
+        # torch.cpu says "cpu", but torchtitan passes this to barrier(device_ids=[...]).
+        return 0
+
+    def get_device_name(self, device=None) -> str:
+        return _cpu_name()
+
+    def get_device_properties(self, device=None) -> SimpleNamespace:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return SimpleNamespace(name=_cpu_name(), total_memory=total)
+
+    def memory_stats(self, device=None) -> dict[str, int]:
+        # The host has no caching allocator: active and reserved are both the RSS.
+        peak, current = peak_rss_bytes(), current_rss_bytes()
+        return {
+            "active_bytes.all.peak": peak,
+            "reserved_bytes.all.peak": peak,
+            "active_bytes.all.current": current,
+            "reserved_bytes.all.current": current,
+            "num_alloc_retries": 0,
+            "num_ooms": 0,
+        }
+
+    def reset_peak_memory_stats(self, device=None) -> None:
+        reset_peak_rss()
+
+    def empty_cache(self) -> None:
+        pass
+
+
+device_module = _CPUDeviceModule()
+
+
+def _rowwise_output_sync(output_layouts, use_local_output, mod, outputs, device_mesh):
+    """RowwiseParallel._prepare_output_fn with a blocking redistribute."""
+    if outputs.placements != output_layouts:
+        outputs = outputs.redistribute(placements=output_layouts)
+    return outputs.to_local() if use_local_output else outputs
+
+
+def activate() -> bool:
+    """Point torchtitan at the CPU when no accelerator is present; True if patched."""
+    global _active
+    if _active:
+        return True
+    if torch.cuda.is_available() or torch.accelerator.is_available():
+        return False
+
+    for name in _DEVICE_MODULES:
+        module = importlib.import_module(name)
+        # torchtitan falls back to "cuda" when no accelerator is found.
+        if hasattr(module, "device_type"):
+            module.device_type = "cpu"
+        # torch.cpu lacks the memory and device queries torchtitan makes.
+        if hasattr(module, "device_module"):
+            module.device_module = device_module
+
+    # The async output collective of compiled TP blocks breaks backward on CPU
+    # ("'Tensor' object has no attribute '_local_tensor'").
+    RowwiseParallel._prepare_output_fn = staticmethod(_rowwise_output_sync)
+
+    _active = True
+    return True
+
+
+def is_active() -> bool:
+    """Whether activate() patched torchtitan for the CPU."""
+    return _active
+
+
+def prepare_parallelized(model: torch.nn.Module) -> None:
+    """Make FSDP reduce with plain SUM, since gloo rejects PREMUL_SUM."""
+    if not _active:
+        return
+    # torchtitan's gradient_divide_factor=1.0 becomes PREMUL_SUM(1.0); SUM is the same math.
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)

@@ -1,0 +1,129 @@
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor.parallel import RowwiseParallel
+
+import plugin.cpu
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available() or torch.accelerator.is_available(),
+    reason="plugin.cpu only patches machines without an accelerator",
+)
+
+MB = 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    """A 1-rank gloo mesh; made here unless another test already made a group."""
+    owned = not dist.is_initialized()
+    if owned:
+        store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    if owned:
+        dist.destroy_process_group()
+
+
+def test_activate_is_idempotent_and_points_torchtitan_at_cpu():
+    import torchtitan.components.metrics as metrics
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    import torchtitan.distributed.utils as dist_utils
+    import torchtitan.tools.utils as utils
+
+    assert plugin.cpu.activate() is True
+    assert plugin.cpu.activate() is True
+    assert plugin.cpu.is_active()
+    for module in (utils, dist_utils, parallel_dims, metrics):
+        assert module.device_type == "cpu"
+    assert utils.device_module is plugin.cpu.device_module
+    assert metrics.device_module is plugin.cpu.device_module
+    # init_distributed looks the backend up by device_type.
+    assert dist.Backend.default_device_backend_map[dist_utils.device_type] == "gloo"
+
+
+def test_device_module_answers_torchtitan_queries():
+    dm = plugin.cpu.device_module
+    # torchtitan passes it to barrier(device_ids=[...]).
+    assert dm.current_device() == 0 and isinstance(dm.current_device(), int)
+    assert dm.get_device_properties(torch.device("cpu:0")).total_memory > 1024 * MB
+    assert dm.get_device_name(torch.device("cpu:0"))
+    stats = dm.memory_stats(torch.device("cpu:0"))
+    assert stats["num_alloc_retries"] == 0 and stats["num_ooms"] == 0
+    assert stats["reserved_bytes.all.peak"] >= stats["reserved_bytes.all.current"] > 0
+    dm.set_device(torch.device("cpu:1"))  # the Trainer sets cpu:LOCAL_RANK
+    dm.synchronize()
+    dm.empty_cache()
+
+
+def test_memory_stats_track_peak_rss():
+    dm = plugin.cpu.device_module
+    can_reset = plugin.cpu.reset_peak_rss()
+    before = dm.memory_stats()["active_bytes.all.peak"]
+    assert before > 0
+
+    x = torch.ones(50 * MB, dtype=torch.float32)  # 200 MB, written so the pages are resident
+    grown = dm.memory_stats()["active_bytes.all.peak"]
+    assert grown >= plugin.cpu.peak_rss_bytes() - MB
+    if can_reset:
+        assert grown - before >= 190 * MB
+    else:
+        assert grown >= plugin.cpu.current_rss_bytes()
+
+    del x
+    dm.reset_peak_memory_stats()
+    if can_reset:
+        # A 200 MB tensor is its own mapping, so freeing it returns the pages.
+        assert dm.memory_stats()["active_bytes.all.peak"] <= grown - 150 * MB
+
+
+def _fsdp_force_sum_flags(model):
+    return [
+        group.force_sum_reduction_for_comms
+        for module in model.modules()
+        if isinstance(module, torch.distributed.fsdp.FSDPModule)
+        for group in module._get_fsdp_state()._fsdp_param_groups
+    ]
+
+
+def test_prepare_parallelized_forces_sum_on_every_fsdp_module(mesh):
+    plugin.cpu.activate()
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4))
+    # As torchtitan does: blocks sharded one by one, the root keeps the rest.
+    for layer in model[:2]:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    assert _fsdp_force_sum_flags(model) == [False, False, False]
+
+    plugin.cpu.prepare_parallelized(model)
+    assert _fsdp_force_sum_flags(model) == [True, True, True]
+
+    model(torch.randn(3, 8)).sum().backward()
+    assert model[0].weight.grad is not None
+
+
+def test_prepare_parallelized_is_a_noop_when_inactive(mesh, monkeypatch):
+    monkeypatch.setattr(plugin.cpu, "_active", False)
+    model = fully_shard(nn.Linear(8, 8), mesh=mesh)
+    plugin.cpu.prepare_parallelized(model)
+    assert _fsdp_force_sum_flags(model) == [False]
+
+
+def test_rowwise_output_redistribute_is_blocking(mesh, monkeypatch):
+    plugin.cpu.activate()
+    calls = []
+    redistribute = DTensor.redistribute
+
+    def spy(self, *args, **kwargs):
+        calls.append(kwargs)
+        return redistribute(self, *args, **kwargs)
+
+    monkeypatch.setattr(DTensor, "redistribute", spy)
+    partial = DTensor.from_local(torch.randn(2, 4, 8), mesh, [Partial()])
+    out = RowwiseParallel._prepare_output_fn((Shard(1),), True, None, partial, mesh)
+    assert len(calls) == 1 and not calls[0].get("async_op", False)
+    assert type(out) is torch.Tensor and out.shape == (2, 4, 8)
