@@ -3,6 +3,8 @@
 import math
 from dataclasses import dataclass, field
 
+from . import cpu
+
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGGREGATIONS = ("token_mean",)
 ADVANTAGE_NORMS = ("group_std", "batch_std", "none")
@@ -91,6 +93,14 @@ def validate(job_config) -> None:
             "is not supported by the GRPO models yet"
         )
     tp = p.tensor_parallel_degree
+    compile_model = job_config.compile.enable and "model" in job_config.compile.components
+    if cpu.is_active() and tp > 1 and compile_model and job_config.activation_checkpoint.mode != "none":
+        # seen with torch 2.13 on CPU: AOTAutograd saves a DeviceMesh for backward and asserts
+        raise ValueError(
+            f"[activation_checkpoint] mode = {job_config.activation_checkpoint.mode!r} with [compile] "
+            f"components 'model' and [parallelism] tensor_parallel_degree = {tp} fails on CPU "
+            "(torch 2.13): set [activation_checkpoint] mode = \"none\""
+        )
     if tp > 1 and g.logprob_chunk_size % tp:
         raise ValueError(
             f"[grpo] logprob_chunk_size = {g.logprob_chunk_size} must be a multiple of "

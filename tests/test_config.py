@@ -45,6 +45,8 @@ def test_every_field_has_a_default_and_a_docstring():
         (["--grpo.group_size", "1"], r"\[grpo\] group_size = 1 must be 0"),
         (["--grpo.logprob_chunk_size", "5"], r"\[grpo\] logprob_chunk_size = 5 must be a multiple of"),
         (["--parallelism.pipeline_parallel_degree", "2"], r"pipeline_parallel_degree = 2: pipeline parallelism is not supported"),
+        (["--parallelism.tensor_parallel_degree", "2", "--compile.enable", "--activation_checkpoint.mode", "selective"],
+         r"set \[activation_checkpoint\] mode = \"none\""),
         (["--parallelism.context_parallel_degree", "2"], r"context_parallel_degree = 2: context parallelism is not supported"),
     ],
 )

@@ -100,3 +100,21 @@ def test_reference_frozen_policy_trained(runs, seed, name):
     for key, initial in start.items():
         assert torch.equal(reference[key], initial), key
         assert not torch.equal(end[key], initial), key
+
+
+def test_compiled_tp_shares_a_cache_and_matches_eager(runs, seed, tmp_path_factory):
+    """TP=2 with compiled blocks, policy loss and reference log-probs, twice on one inductor cache.
+
+    Without the per-rank cache guard the second (warm) run reuses one rank's graph on the
+    other rank, with the wrong vocab range baked in, and its losses are silently wrong.
+    """
+    cache = tmp_path_factory.mktemp("inductor_cache")
+    flags = ["--parallelism.tensor_parallel_degree", "2", "--compile.enable", "--compile.components", "model,loss",
+             "--reference_model.compile"]
+    eager = scalars(runs["tp2"])
+    for name in ("compiled_cold", "compiled_warm"):
+        tb = scalars(train(tmp_path_factory, seed, name, 2, flags, env={"TORCHINDUCTOR_CACHE_DIR": str(cache)}))
+        for tag in ("loss_metrics/global_avg_loss", "grad_norm", "grpo/kl"):
+            # inductor fuses and reorders fp32 math: agreement to 1e-4, not bitwise
+            assert tb[tag] == pytest.approx(eager[tag], rel=1e-4, abs=1e-7), (name, tag)
+    assert sorted(p.name for p in cache.iterdir() if p.name.startswith("rank_")) == ["rank_0", "rank_1"]
