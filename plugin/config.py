@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from . import cpu
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
-LOSS_AGGREGATIONS = ("token_mean",)
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "fixed_horizon")
 ADVANTAGE_NORMS = ("group_std", "batch_std", "none")
 
 
@@ -18,6 +18,15 @@ class GRPO:
     clip_high: float = 0.2
     """Upper clip of the importance ratio (DAPO's clip-higher uses a larger value than clip_low)."""
 
+    dual_clip: float = 0.0
+    """Dual-clip bound c > 1: for negative advantages a token's policy loss is at most -c * A; 0 turns it off."""
+
+    behavior_ratio_cap: float = 0.0
+    """With behaviour log-probs in the rollouts, the importance ratio is truncated at this value; 0 = no cap."""
+
+    entropy_coef: float = 0.0
+    """Entropy bonus: entropy_coef * per-token entropy is subtracted from the loss."""
+
     beta: float = 0.04
     """Weight of the per-token KL penalty to the frozen reference model."""
 
@@ -25,7 +34,10 @@ class GRPO:
     """KL estimator per token: k1 = l - l_ref, k2 = (l - l_ref)^2 / 2, k3 = exp(l_ref - l) - (l_ref - l) - 1."""
 
     loss_aggregation: str = "token_mean"
-    """How per-token losses become one loss: token_mean = sum over completion tokens / global token count."""
+    """token_mean, seq_mean_token_mean, seq_mean_token_sum or fixed_horizon (Dr. GRPO: token sum / (completions * horizon))."""
+
+    horizon: int = 0
+    """The max completion length that fixed_horizon divides by; 0 = [training] seq_len."""
 
     advantage_norm: str = "group_std"
     """Advantage = reward - group mean, divided by the group's std (group_std), the batch's std (batch_std) or nothing (none)."""
@@ -78,6 +90,14 @@ def validate(job_config) -> None:
         raise ValueError(f"[grpo] temperature = {g.temperature} must be > 0")
     if g.group_size < 0 or g.group_size == 1:
         raise ValueError(f"[grpo] group_size = {g.group_size} must be 0 (infer) or >= 2: GRPO compares completions within a group")
+    if g.dual_clip != 0 and not g.dual_clip > 1:
+        raise ValueError(f"[grpo] dual_clip = {g.dual_clip} must be 0 (off) or > 1")
+    if g.behavior_ratio_cap != 0 and not g.behavior_ratio_cap >= 1:
+        raise ValueError(f"[grpo] behavior_ratio_cap = {g.behavior_ratio_cap} must be 0 (off) or >= 1")
+    if g.entropy_coef < 0:
+        raise ValueError(f"[grpo] entropy_coef = {g.entropy_coef} must be >= 0")
+    if g.horizon < 0:
+        raise ValueError(f"[grpo] horizon = {g.horizon} must be >= 0 (0 = [training] seq_len)")
     if g.logprob_chunk_size < 0:
         raise ValueError(f"[grpo] logprob_chunk_size = {g.logprob_chunk_size} must be >= 0 (0 = no chunking)")
 

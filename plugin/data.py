@@ -41,9 +41,12 @@ class Rollouts:
 
     advantages: torch.Tensor  # [B] fp32
     rewards: torch.Tensor  # [B] fp32
+    loss_weights: torch.Tensor  # [B] fp32, see loss_weights()
+    old_logprobs: torch.Tensor | None = None  # [B, T] behaviour log-probs aligned with labels, NaN where unknown
 
     def to(self, device: torch.device) -> "Rollouts":
-        return Rollouts(self.advantages.to(device), self.rewards.to(device))
+        move = lambda t: t.to(device) if t is not None else None  # noqa: E731
+        return Rollouts(*(move(t) for t in (self.advantages, self.rewards, self.loss_weights, self.old_logprobs)))
 
 
 class RolloutError(ValueError):
@@ -119,7 +122,7 @@ def check_group_sizes(groups: list[list[Completion]], group_size: int) -> int:
 
 
 def advantages(rewards: torch.Tensor, group_size: int, norm: str, eps: float) -> torch.Tensor:
-    """Per-completion advantages of a batch made of whole groups: reward - group mean, over a std."""
+    """Per-completion advantages of whole groups: reward - group mean, over the group's or the batch's std."""
     r = rewards.double().view(-1, group_size)  # [groups, G]
     centered = r - r.mean(dim=1, keepdim=True)
     if norm == "group_std":
@@ -129,44 +132,108 @@ def advantages(rewards: torch.Tensor, group_size: int, norm: str, eps: float) ->
     return centered.flatten().float()
 
 
+def loss_weights(completion_lens: torch.Tensor, aggregation: str, horizon: int) -> torch.Tensor:
+    """Per-completion weights w such that sum(w * token losses) / (global completion tokens) aggregates as asked.
+
+    torchtitan divides every loss by the global number of valid tokens; the weights turn that
+    token mean into the other modes. `completion_lens` covers the whole global batch.
+    """
+    n, tokens = completion_lens.numel(), completion_lens.sum().double()
+    if aggregation == "token_mean":
+        w = torch.ones(n, dtype=torch.float64)
+    elif aggregation == "seq_mean_token_mean":  # mean over completions of each one's token mean
+        w = tokens / (n * completion_lens.double())
+    elif aggregation == "seq_mean_token_sum":  # mean over completions of each one's token sum
+        w = torch.full((n,), (tokens / n).item(), dtype=torch.float64)
+    else:  # fixed_horizon (Dr. GRPO): token sum / (completions * horizon)
+        w = torch.full((n,), (tokens / (n * horizon)).item(), dtype=torch.float64)
+    return w.float()
+
+
+@dataclass
+class BatchPlan:
+    """How global batches are cut: every rank derives the same global batch, then takes its part."""
+
+    group_size: int
+    groups_per_microbatch: int  # local_batch_size / group_size
+    grad_accum: int  # microbatches per step on each rank
+    dp_rank: int
+    dp_world_size: int
+
+    @property
+    def groups_per_step(self) -> int:
+        return self.groups_per_microbatch * self.grad_accum * self.dp_world_size
+
+    def microbatch(self, j: int) -> range:
+        """Positions, within a step's groups, of this rank's j-th microbatch; microbatch-major, then rank."""
+        start = (j * self.dp_world_size + self.dp_rank) * self.groups_per_microbatch
+        return range(start, start + self.groups_per_microbatch)
+
+
 class RolloutDataset(IterableDataset, Stateful):
-    """Whole groups, shuffled per epoch by seed, dealt round-robin to DP ranks; loops over epochs."""
+    """Yields this rank's microbatches, cut from global batches of whole groups.
 
-    def __init__(self, groups: list[list[Completion]], dp_rank: int, dp_world_size: int, seed: int):
-        self.groups = groups
-        self.dp_rank, self.dp_world_size, self.seed = dp_rank, dp_world_size, seed
-        self.epoch, self.pos = 0, 0  # pos: index of the next group in this rank's epoch order
+    The group stream is one seeded permutation of all groups per epoch, concatenated over
+    epochs: global batch s is the stream's groups [s*K, (s+1)*K), K = groups per step. Every
+    rank computes the same stream, so a global batch's statistics (completion tokens, reward
+    std) are known on every rank without communication, and no group is dropped or repeated
+    within an epoch whatever the DP degree.
+    """
 
-    def _epoch_order(self, epoch: int) -> list[int]:
+    def __init__(self, groups: list[list[Completion]], plan: BatchPlan, collate: "Collate", seed: int):
+        self.groups, self.plan, self.collate, self.seed = groups, plan, collate, seed
+        self.step, self.microbatch = 0, 0  # position: the next (global batch, microbatch) to yield
+
+    def epoch_order(self, epoch: int) -> list[int]:
         order = list(range(len(self.groups)))
         random.Random(f"{self.seed}:{epoch}").shuffle(order)
-        return order[self.dp_rank :: self.dp_world_size]
+        return order
+
+    def step_groups(self, step: int) -> list[int]:
+        """The group ids of global batch `step`."""
+        k, n = self.plan.groups_per_step, len(self.groups)
+        first, out = step * k, []
+        while len(out) < k:
+            epoch, offset = divmod(first + len(out), n)
+            out.extend(self.epoch_order(epoch)[offset : offset + k - len(out)])
+        return out
 
     def __iter__(self):
+        k, n = self.plan.groups_per_step, len(self.groups)
         while True:
-            order = self._epoch_order(self.epoch)
-            while self.pos < len(order):
-                group = self.groups[order[self.pos]]
-                self.pos += 1
-                yield from group
-            self.epoch, self.pos = self.epoch + 1, 0
-            logger.info(f"Rollout data: starting epoch {self.epoch} on dp rank {self.dp_rank}")
+            batch = [self.groups[g] for g in self.step_groups(self.step)]
+            if self.microbatch == 0 and (self.step * k) // n != (self.step * k - 1) // n:
+                logger.info(f"Rollout data: epoch {self.step * k // n} starts at step {self.step + 1}")
+            while self.microbatch < self.plan.grad_accum:
+                positions = self.plan.microbatch(self.microbatch)
+                self.microbatch += 1
+                yield self.collate(batch, positions)
+            self.step, self.microbatch = self.step + 1, 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "pos": self.pos}
+        return {"step": self.step, "microbatch": self.microbatch}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.epoch, self.pos = state_dict["epoch"], state_dict["pos"]
+        self.step, self.microbatch = state_dict["step"], state_dict["microbatch"]
 
 
 class Collate:
-    """Pads completions to seq_len, builds labels and the loss mask, and computes advantages."""
+    """One microbatch: pads to seq_len, masks all but completion tokens, attaches advantages and loss weights."""
 
-    def __init__(self, seq_len: int, pad_id: int, group_size: int, norm: str, eps: float):
-        self.seq_len, self.pad_id = seq_len, pad_id
-        self.group_size, self.norm, self.eps = group_size, norm, eps
+    def __init__(self, seq_len: int, pad_id: int, grpo):
+        self.seq_len, self.pad_id, self.cfg = seq_len, pad_id, grpo
 
-    def __call__(self, batch: list[Completion]):
+    def __call__(self, global_batch: list[list[Completion]], mine: range):
+        """`global_batch`: every group of the step, in order; `mine`: positions of this microbatch's groups."""
+        cfg = self.cfg
+        flat = [c for g in global_batch for c in g]
+        G = len(global_batch[0])
+        rewards = torch.tensor([c.reward for c in flat], dtype=torch.float32)
+        adv = advantages(rewards, G, cfg.advantage_norm, cfg.advantage_eps)
+        lens = torch.tensor([len(c.tokens) - c.prompt_len for c in flat])
+        weights = loss_weights(lens, cfg.loss_aggregation, cfg.horizon or self.seq_len)
+        rows = [i * G + k for i in mine for k in range(G)]
+        batch = [flat[i] for i in rows]
         n = len(batch)
         inputs = torch.full((n, self.seq_len), self.pad_id, dtype=torch.long)
         labels = torch.full((n, self.seq_len), IGNORE_INDEX, dtype=torch.long)
@@ -175,9 +242,8 @@ class Collate:
             inputs[i, : len(seq) - 1] = seq[:-1]
             # position t predicts token t+1: completion targets start at prompt_len - 1
             labels[i, c.prompt_len - 1 : len(seq) - 1] = seq[c.prompt_len :]
-        rewards = torch.tensor([c.reward for c in batch], dtype=torch.float32)
-        adv = advantages(rewards, self.group_size, self.norm, self.eps)
-        return {"input": inputs, "labels": labels, "rollouts": Rollouts(adv, rewards)}, labels
+        rollouts = Rollouts(adv[rows], rewards[rows], weights[rows])
+        return {"input": inputs, "labels": labels, "rollouts": rollouts}, labels
 
 
 def build_rollout_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config, **kwargs):
@@ -193,16 +259,25 @@ def build_rollout_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_co
             f"[training] local_batch_size = {training.local_batch_size} must be a multiple of the "
             f"group size {group_size}: a group is never split across batches"
         )
-    if len(groups) < dp_world_size:
-        raise RolloutError(f"{training.dataset_path}: {len(groups)} groups for {dp_world_size} data-parallel ranks")
+    global_batch = training.global_batch_size if training.global_batch_size > 0 else training.local_batch_size * dp_world_size
+    plan = BatchPlan(
+        group_size=group_size,
+        groups_per_microbatch=training.local_batch_size // group_size,
+        grad_accum=global_batch // (training.local_batch_size * dp_world_size),
+        dp_rank=dp_rank,
+        dp_world_size=dp_world_size,
+    )
+    if plan.groups_per_step > len(groups):
+        raise RolloutError(
+            f"{training.dataset_path}: {len(groups)} groups, fewer than one global batch "
+            f"({plan.groups_per_step} groups of {group_size})"
+        )
     logger.info(
-        f"Rollouts: {len(groups)} groups of {group_size} from {training.dataset_path}, "
-        f"{len(groups) // dp_world_size}+ groups per dp rank per epoch"
+        f"Rollouts: {len(groups)} groups of {group_size} from {training.dataset_path}; "
+        f"{plan.groups_per_step} groups per step, {len(groups) / plan.groups_per_step:.1f} steps per epoch"
     )
-    dataset = RolloutDataset(groups, dp_rank, dp_world_size, job_config.debug.seed or 0)
     pad_id = tokenizer.eos_id if tokenizer.eos_id is not None else 0
-    collate = Collate(training.seq_len, pad_id, group_size, grpo.advantage_norm, grpo.advantage_eps)
-    return ParallelAwareDataloader(
-        dataset, dp_rank=dp_rank, dp_world_size=dp_world_size,
-        batch_size=training.local_batch_size, collate_fn=collate,
-    )
+    collate = Collate(training.seq_len, pad_id, grpo)
+    dataset = RolloutDataset(groups, plan, collate, job_config.debug.seed or 0)
+    # the dataset yields whole microbatches: no automatic batching
+    return ParallelAwareDataloader(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=None)

@@ -61,12 +61,13 @@ def maybe_compiled(fn, enabled: bool, backend: str = "inductor"):
     return _compiled[fn, backend]
 
 
-def _score_chunk(head, h, labels, temperature, compiled):
+def _score_chunk(head, h, labels, temperature, compiled, entropy_grad):
     """Log-probs and entropy of one chunk; its logits live only inside this call."""
     logits = head(h)  # [B, k, V], or a Shard(-1) DTensor under loss_parallel
     logprobs = maybe_compiled(compute_logprobs, compiled)(logits, labels, temperature)
-    with torch.no_grad():
-        entropy = maybe_compiled(compute_entropy, compiled)(logits.detach(), temperature)
+    # entropy is a logged statistic unless the loss has an entropy bonus
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = maybe_compiled(compute_entropy, compiled)(logits if entropy_grad else logits.detach(), temperature)
     return logprobs, entropy
 
 
@@ -79,6 +80,7 @@ def chunked_logprobs(
     chunk_size: int = 0,
     seq_shards: int = 1,
     compiled: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, T] log-probs of `labels` and entropies from trunk states, scoring one sequence chunk at a time.
 
@@ -88,6 +90,7 @@ def chunked_logprobs(
         head: hidden chunk -> logits (final norm + output layer, possibly vocab-parallel).
         chunk_size: global sequence positions per chunk; 0 scores the whole sequence at once.
         seq_shards: ranks the sequence is sharded over (the TP degree under sequence parallelism).
+        entropy_grad: let gradients flow through the entropy (for an entropy bonus).
     """
     B, T = labels.shape
     S, T_local = seq_shards, hidden.shape[1]
@@ -105,9 +108,10 @@ def chunked_logprobs(
         h_c = hidden[:, start : start + k]
         labels_c = labels_by_shard[:, :, start : start + k].reshape(B, -1)
         if recompute:
-            lp, ent = checkpoint(_score_chunk, head, h_c, labels_c, temperature, compiled, use_reentrant=False)
+            lp, ent = checkpoint(_score_chunk, head, h_c, labels_c, temperature, compiled, entropy_grad,
+                                 use_reentrant=False)
         else:
-            lp, ent = _score_chunk(head, h_c, labels_c, temperature, compiled)
+            lp, ent = _score_chunk(head, h_c, labels_c, temperature, compiled, entropy_grad)
         logprobs.append(lp.view(B, S, -1))
         entropy.append(ent.view(B, S, -1))
     return torch.cat(logprobs, dim=2).view(B, T), torch.cat(entropy, dim=2).view(B, T)

@@ -46,28 +46,42 @@ def grpo_token_terms(
     old_logprobs: torch.Tensor,
     ref_logprobs: torch.Tensor | None,
     advantages: torch.Tensor,
+    weights: torch.Tensor,
     mask: torch.Tensor,
+    entropy: torch.Tensor,
     *,
     clip_low: float,
     clip_high: float,
     beta: float,
     kl_estimator: str,
+    dual_clip: float = 0.0,
+    ratio_cap: float = 0.0,
+    entropy_coef: float = 0.0,
 ) -> TokenTerms:
-    """Per-token GRPO terms; `advantages` is [B] (one per completion), everything else [B, T]."""
+    """Per-token GRPO terms; `advantages` and `weights` are [B] (one per completion), the rest [B, T]."""
     adv = advantages.to(logprobs.dtype)[:, None]  # [B, 1]
     ratio = torch.exp(logprobs - old_logprobs)
+    if ratio_cap > 0:
+        # truncated importance sampling against the behaviour policy
+        ratio = ratio.clamp(max=ratio_cap)
     unclipped = ratio * adv
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * adv
     loss = -torch.minimum(unclipped, clipped)
+    if dual_clip > 0:
+        # for A < 0 the clipped term alone is unbounded in the ratio: cap the token's loss at -c * A
+        loss = torch.where(adv < 0, torch.minimum(loss, -dual_clip * adv), loss)
     if ref_logprobs is not None and beta > 0:
         kl = kl_penalty(logprobs, ref_logprobs, kl_estimator)
         loss = loss + beta * kl
     else:
         kl = torch.zeros_like(logprobs)
+    if entropy_coef > 0:
+        loss = loss - entropy_coef * entropy
     mask = mask.to(loss.dtype)
     ratio = ratio.detach()
     return TokenTerms(
-        loss=loss * mask,
+        # weights turn torchtitan's division by global tokens into the configured aggregation
+        loss=loss * weights.to(loss.dtype)[:, None] * mask,
         kl=kl.detach() * mask,
         ratio=ratio,
         clipped_low=(ratio < 1 - clip_low) & (adv < 0) & (mask > 0),
@@ -76,19 +90,27 @@ def grpo_token_terms(
 
 
 def grpo_loss(pred, labels: torch.Tensor, *, token_terms_fn, cfg) -> torch.Tensor:
-    """Sum of the per-token GRPO loss over completion tokens; records metrics on `pred.stats`."""
+    """Weighted sum of the per-token GRPO loss over completion tokens; records metrics on `pred.stats`."""
     mask = labels != IGNORE_INDEX
-    old = pred.old_logprobs if pred.old_logprobs is not None else pred.logprobs.detach()
+    old = pred.logprobs.detach()
+    if pred.old_logprobs is not None:
+        # behaviour log-probs where the rollout has them (NaN elsewhere), on-policy otherwise
+        old = torch.where(pred.old_logprobs.isnan(), old, pred.old_logprobs)
     terms = token_terms_fn(
         pred.logprobs,
         old,
         pred.ref_logprobs,
         pred.advantages,
+        pred.loss_weights,
         mask,
+        pred.entropy,
         clip_low=cfg.clip_low,
         clip_high=cfg.clip_high,
         beta=cfg.beta,
         kl_estimator=cfg.kl_estimator,
+        dual_clip=cfg.dual_clip,
+        ratio_cap=cfg.behavior_ratio_cap,
+        entropy_coef=cfg.entropy_coef,
     )
     if pred.stats is not None:
         pred.stats.record_tokens(terms, mask, pred)

@@ -29,9 +29,10 @@ class PolicyOutput:
     logprobs: torch.Tensor  # [B, T] fp32, requires grad
     entropy: torch.Tensor  # [B, T] fp32, detached
     ref_logprobs: torch.Tensor | None  # [B, T] fp32; None when beta = 0
-    old_logprobs: torch.Tensor | None  # [B, T] behaviour log-probs; None means on-policy
+    old_logprobs: torch.Tensor | None  # [B, T] behaviour log-probs, NaN where unknown; None: on-policy
     advantages: torch.Tensor | None  # [B]
     rewards: torch.Tensor | None  # [B]
+    loss_weights: torch.Tensor | None  # [B], see data.loss_weights
     stats: GRPOStats | None
 
 
@@ -41,6 +42,7 @@ class ScoringConfig:
     chunk_size: int = 0  # global sequence positions per chunk; 0 = whole sequence
     seq_shards: int = 1  # ranks the trunk output is sequence-sharded over (TP degree)
     compile: bool = False
+    entropy_grad: bool = False  # the entropy bonus needs its gradient
 
 
 def _grpo_forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, rollouts=None, **kwargs):
@@ -56,8 +58,11 @@ def _grpo_forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None
             ref_logprobs = self.reference(tokens, labels=labels, **kwargs).logprobs
     logprobs, entropy = self.score(tokens, labels, **kwargs)
     if rollouts is None:  # the reference's own call: only log-probs are asked for
-        return PolicyOutput(logprobs, entropy, None, None, None, None, None)
-    return PolicyOutput(logprobs, entropy, ref_logprobs, None, rollouts.advantages, rollouts.rewards, self.grpo_stats)
+        return PolicyOutput(logprobs, entropy, None, None, None, None, None, None)
+    return PolicyOutput(
+        logprobs, entropy, ref_logprobs, rollouts.old_logprobs, rollouts.advantages, rollouts.rewards,
+        rollouts.loss_weights, self.grpo_stats,
+    )
 
 
 def _hidden_states(self, tokens: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -82,6 +87,7 @@ def _score(self, tokens: torch.Tensor, labels: torch.Tensor, **kwargs) -> tuple[
         chunk_size=cfg.chunk_size,
         seq_shards=cfg.seq_shards,
         compiled=cfg.compile,
+        entropy_grad=cfg.entropy_grad,
     )
 
 
@@ -217,7 +223,7 @@ def build_grpo_parallelize_fn(base_parallelize: Callable) -> Callable:
             chunk_size=job_config.grpo.logprob_chunk_size,
             seq_shards=seq_shards,
         )
-        model.scoring = ScoringConfig(compile=policy_compiled, **common)
+        model.scoring = ScoringConfig(compile=policy_compiled, entropy_grad=job_config.grpo.entropy_coef > 0, **common)
         model.grpo_stats = GRPOStats()
         if reference is not None:
             reference.scoring = ScoringConfig(compile=ref_compiled, **common)

@@ -8,12 +8,16 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
 from conftest import REPO
+from plugin.config import GRPO
 from plugin.data import (
+    BatchPlan,
     Collate,
+    Completion,
     RolloutDataset,
     RolloutError,
     advantages,
     check_group_sizes,
+    loss_weights,
     read_rollouts,
 )
 
@@ -88,7 +92,7 @@ def test_advantages_reference():
 def test_collate_masks_completion_tokens_only(tmp_path, tokenizer):
     rows = [{"prompt": "Q: 12+30=", "completion": c, "reward": r, "group": 0} for c, r in ((" 42\n", 1.0), (" 41\n", 0.0))]
     groups = read_rollouts(_write(tmp_path / "r.jsonl", rows), tokenizer, 16)
-    batch, labels = Collate(16, pad_id=1, group_size=2, norm="group_std", eps=1e-4)(groups[0])
+    batch, labels = Collate(16, pad_id=1, grpo=GRPO())(groups, range(1))
     for i, c in enumerate(groups[0]):
         prompt = tokenizer.encode("Q: 12+30=", add_bos=True, add_eos=False)
         completion = tokenizer.encode(rows[i]["completion"], add_bos=False, add_eos=True)
@@ -104,45 +108,86 @@ def test_collate_masks_completion_tokens_only(tmp_path, tokenizer):
     assert torch.equal(batch["labels"], labels)
     assert batch["rollouts"].rewards.tolist() == [1.0, 0.0]
     assert batch["rollouts"].advantages[0] > 0 > batch["rollouts"].advantages[1]
+    assert batch["rollouts"].loss_weights.tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "fixed_horizon"])
+def test_loss_weights_turn_the_token_mean_into_each_mode(mode):
+    g = torch.Generator().manual_seed(0)
+    lens = torch.tensor([3, 7, 1, 12, 5])
+    token_losses = [torch.randn(n, generator=g, dtype=torch.float64) for n in lens.tolist()]
+    horizon = 16
+    w = loss_weights(lens, mode, horizon).double()
+    # what torchtitan computes: sum of weighted token losses / global completion tokens
+    got = sum(wi * l.sum() for wi, l in zip(w, token_losses)) / lens.sum()
+    expected = {
+        "token_mean": torch.cat(token_losses).mean(),
+        "seq_mean_token_mean": torch.stack([l.mean() for l in token_losses]).mean(),
+        "seq_mean_token_sum": torch.stack([l.sum() for l in token_losses]).mean(),
+        "fixed_horizon": torch.cat(token_losses).sum() / (len(lens) * horizon),
+    }[mode]
+    assert got.item() == pytest.approx(expected.item(), rel=1e-6)
 
 
 def _groups(n, size=2):
-    from plugin.data import Completion
+    return [[Completion([g, i, 7], 1, float(i), f"f:{g}") for i in range(size)] for g in range(n)]
 
-    return [[Completion([g, i], 1, float(i), f"f:{g}") for i in range(size)] for g in range(n)]
+
+def _dataset(groups, rank, world, gpm=1, grad_accum=1, seed=3):
+    plan = BatchPlan(group_size=len(groups[0]), groups_per_microbatch=gpm, grad_accum=grad_accum,
+                     dp_rank=rank, dp_world_size=world)
+    return RolloutDataset(groups, plan, Collate(4, 0, GRPO()), seed)
+
+
+def _group_ids(batch):
+    inputs, _ = batch
+    return inputs["input"][::2, 0].tolist()  # token 0 of each completion is its group id
 
 
 def _take(ds, n):
     it = iter(ds)
-    return [next(it) for _ in range(n)]
+    return [_group_ids(next(it)) for _ in range(n)]
 
 
-@pytest.mark.parametrize("n_groups, world", [(10, 2), (11, 2), (9, 4)])
-def test_dp_sharding_is_disjoint_and_complete(n_groups, world):
+@pytest.mark.parametrize("n_groups, world, gpm, grad_accum", [(12, 2, 1, 1), (11, 2, 2, 1), (9, 2, 1, 2), (13, 1, 2, 2)])
+def test_dp_sharding_is_disjoint_and_complete(n_groups, world, gpm, grad_accum):
     groups = _groups(n_groups)
-    per_rank = [RolloutDataset(groups, r, world, seed=3)._epoch_order(0) for r in range(world)]
-    seen = sorted(g for order in per_rank for g in order)
-    assert seen == list(range(n_groups))
-    # groups stay whole and contiguous in each rank's stream
-    stream = _take(RolloutDataset(groups, 0, world, seed=3), 2 * len(per_rank[0]))
-    assert [c.tokens[0] for c in stream[::2]] == [c.tokens[0] for c in stream[1::2]] == per_rank[0]
+    per_step = gpm * world * grad_accum
+    steps = 3 * n_groups // per_step  # a few epochs
+    streams = [_take(_dataset(groups, r, world, gpm, grad_accum), steps * grad_accum) for r in range(world)]
+    seen = []
+    for s in range(steps):
+        # a step's groups in stream order: microbatch-major, then rank
+        step = [g for j in range(grad_accum) for r in range(world) for g in streams[r][s * grad_accum + j]]
+        assert len(step) == per_step
+        seen.extend(step)
+    # every epoch is a permutation: each group once before any group twice
+    for e in range(len(seen) // n_groups):
+        assert sorted(seen[e * n_groups : (e + 1) * n_groups]) == list(range(n_groups))
 
 
 def test_shuffle_is_deterministic_per_seed_and_epoch():
-    groups = _groups(20)
-    a, b = RolloutDataset(groups, 0, 1, seed=0), RolloutDataset(groups, 0, 1, seed=0)
-    assert a._epoch_order(0) == b._epoch_order(0)
-    assert a._epoch_order(0) != a._epoch_order(1)
-    assert a._epoch_order(0) != RolloutDataset(groups, 0, 1, seed=1)._epoch_order(0)
+    ds = _dataset(_groups(20), 0, 1)
+    assert ds.epoch_order(0) == _dataset(_groups(20), 0, 1).epoch_order(0)
+    assert ds.epoch_order(0) != ds.epoch_order(1)
+    assert ds.epoch_order(0) != _dataset(_groups(20), 0, 1, seed=4).epoch_order(0)
 
 
 def test_state_dict_resumes_at_the_same_row():
     groups = _groups(5)
-    ds = RolloutDataset(groups, 0, 1, seed=0)
-    straight = [c.where + str(c.tokens) for c in _take(ds, 24)]  # crosses two epoch boundaries
-    ds = RolloutDataset(groups, 0, 1, seed=0)
-    first = [c.where + str(c.tokens) for c in _take(ds, 14)]
-    state = ds.state_dict()
-    resumed = RolloutDataset(groups, 0, 1, seed=0)
-    resumed.load_state_dict(state)
-    assert first + [c.where + str(c.tokens) for c in _take(resumed, 10)] == straight
+    straight = _take(_dataset(groups, 1, 2, grad_accum=2), 12)  # crosses epoch boundaries
+    ds = _dataset(groups, 1, 2, grad_accum=2)
+    it = iter(ds)
+    first = [_group_ids(next(it)) for _ in range(7)]  # stops mid-step
+    resumed = _dataset(groups, 1, 2, grad_accum=2)
+    resumed.load_state_dict(ds.state_dict())
+    assert first + _take(resumed, 5) == straight
+
+
+def test_batch_std_uses_the_whole_global_batch():
+    groups = [[Completion([g, i], 1, float(r), "f") for i, r in enumerate(rs)] for g, rs in enumerate([(0, 1), (0, 3)])]
+    cfg = GRPO(advantage_norm="batch_std")
+    a0 = Collate(4, 0, cfg)(groups, range(0, 1))[0]["rollouts"].advantages
+    a1 = Collate(4, 0, cfg)(groups, range(1, 2))[0]["rollouts"].advantages
+    std = torch.tensor([0.0, 1.0, 0.0, 3.0]).std().item()
+    assert torch.cat([a0, a1]).tolist() == pytest.approx([-0.5 / std, 0.5 / std, -1.5 / std, 1.5 / std], rel=1e-4)

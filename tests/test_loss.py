@@ -11,7 +11,7 @@ from plugin.model import PolicyOutput
 from torchtitan.components.loss import IGNORE_INDEX
 
 
-def reference_token_loss(lp, old, ref, adv, mask, clip_low, clip_high, beta, est):
+def reference_token_loss(lp, old, ref, adv, w, mask, ent, clip_low, clip_high, beta, est, dual=0.0, cap=0.0, ent_coef=0.0):
     """fp64, element by element, straight from the formulas in grpo-reference.md."""
     out = torch.zeros_like(lp, dtype=torch.float64)
     B, T = lp.shape
@@ -21,7 +21,11 @@ def reference_token_loss(lp, old, ref, adv, mask, clip_low, clip_high, beta, est
                 continue
             l, lo, lr, a = float(lp[b, t]), float(old[b, t]), float(ref[b, t]), float(adv[b])
             r = math.exp(l - lo)
+            if cap:
+                r = min(r, cap)
             pg = -min(r * a, min(max(r, 1 - clip_low), 1 + clip_high) * a)
+            if dual and a < 0:
+                pg = min(pg, -dual * a)
             if est == "k1":
                 kl = l - lr
             elif est == "k2":
@@ -29,22 +33,37 @@ def reference_token_loss(lp, old, ref, adv, mask, clip_low, clip_high, beta, est
             else:
                 d = min(max(lr - l, -20.0), 20.0)
                 kl = min(math.exp(d) - d - 1, KL_MAX)
-            out[b, t] = pg + beta * kl
+            out[b, t] = (pg + beta * kl - ent_coef * float(ent[b, t])) * float(w[b])
     return out
 
 
+OPTIONS = [
+    dict(clip_low=0.2, clip_high=0.2, beta=0.04),
+    dict(clip_low=0.1, clip_high=0.28, beta=0.0),
+    dict(clip_low=0.2, clip_high=0.2, beta=1.0, dual=3.0),
+    dict(clip_low=0.2, clip_high=0.2, beta=0.04, cap=1.5),
+    dict(clip_low=0.2, clip_high=0.2, beta=0.04, dual=2.0, cap=2.0, ent_coef=0.01),
+]
+
+
 @pytest.mark.parametrize("est", ["k1", "k2", "k3"])
-@pytest.mark.parametrize("clip_low, clip_high, beta", [(0.2, 0.2, 0.04), (0.1, 0.28, 0.0), (0.2, 0.2, 1.0)])
-def test_token_terms_match_reference(est, clip_low, clip_high, beta):
+@pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
+def test_token_terms_match_reference(est, opts):
     g = torch.Generator().manual_seed(0)
     B, T = 5, 47
     lp = (-torch.rand(B, T, generator=g, dtype=torch.float64) * 3).requires_grad_()
     old = lp.detach() + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3  # off-policy: ratios != 1
     ref = lp.detach() + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.5
     adv = torch.randn(B, generator=g, dtype=torch.float64)
+    w = torch.rand(B, generator=g, dtype=torch.float64) + 0.5
+    ent = torch.rand(B, T, generator=g, dtype=torch.float64) * 5
     mask = torch.rand(B, T, generator=g) > 0.3
-    terms = grpo_token_terms(lp, old, ref, adv, mask, clip_low=clip_low, clip_high=clip_high, beta=beta, kl_estimator=est)
-    expected = reference_token_loss(lp.detach(), old, ref, adv, mask, clip_low, clip_high, beta, est)
+    clip_low, clip_high, beta = opts["clip_low"], opts["clip_high"], opts["beta"]
+    dual, cap, ent_coef = opts.get("dual", 0.0), opts.get("cap", 0.0), opts.get("ent_coef", 0.0)
+    terms = grpo_token_terms(lp, old, ref, adv, w, mask, ent, clip_low=clip_low, clip_high=clip_high, beta=beta,
+                             kl_estimator=est, dual_clip=dual, ratio_cap=cap, entropy_coef=ent_coef)
+    ref_args = (old, ref, adv, w, mask, ent, clip_low, clip_high, beta, est, dual, cap, ent_coef)
+    expected = reference_token_loss(lp.detach(), *ref_args)
     torch.testing.assert_close(terms.loss.detach(), expected, rtol=1e-10, atol=1e-12)
 
     # gradient by finite differences of the reference, at a few masked-in positions
@@ -53,13 +72,15 @@ def test_token_terms_match_reference(est, clip_low, clip_high, beta):
     for b, t in mask.nonzero()[:6].tolist():
         bumped = lp.detach().clone()
         bumped[b, t] += eps
-        up = reference_token_loss(bumped, old, ref, adv, mask, clip_low, clip_high, beta, est).sum()
+        up = reference_token_loss(bumped, *ref_args).sum()
         bumped[b, t] -= 2 * eps
-        down = reference_token_loss(bumped, old, ref, adv, mask, clip_low, clip_high, beta, est).sum()
+        down = reference_token_loss(bumped, *ref_args).sum()
         assert lp.grad[b, t].item() == pytest.approx(((up - down) / (2 * eps)).item(), rel=1e-4, abs=1e-7)
     assert lp.grad[~mask].eq(0).all()
 
     ratio = torch.exp(lp.detach() - old)
+    if cap:
+        ratio = ratio.clamp(max=cap)
     assert torch.equal(terms.clipped_low, (ratio < 1 - clip_low) & (adv[:, None] < 0) & mask)
     assert torch.equal(terms.clipped_high, (ratio > 1 + clip_high) & (adv[:, None] > 0) & mask)
 
@@ -89,7 +110,7 @@ def test_on_policy_loss_sum_and_gradient():
     labels[:, :2] = IGNORE_INDEX
     adv = torch.tensor([1.0, -0.5, 0.25])
     stats = GRPOStats()
-    pred = PolicyOutput(lp, torch.ones(3, 6), None, None, adv, torch.tensor([1.0, 0.0, 0.5]), stats)
+    pred = PolicyOutput(lp, torch.ones(3, 6), None, None, adv, torch.tensor([1.0, 0.0, 0.5]), torch.ones(3), stats)
     loss = loss_fn(pred, labels)
     mask = (labels != IGNORE_INDEX).float()
     assert loss.item() == pytest.approx(-(adv[:, None] * mask).sum().item())
