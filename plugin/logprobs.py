@@ -39,14 +39,38 @@ def compute_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: fl
     return -_plain(nll).view(labels.shape)
 
 
+class _Entropy(torch.autograd.Function):
+    """Entropy with its own backward, dH/dz = -p * (log p + H), computed shard-locally.
+
+    Under loss_parallel, log_softmax's backward assumes an nll_loss follows (it passes the
+    incoming gradient through), so autograd through log_softmax gives a wrong entropy
+    gradient on sharded logits. This backward needs only H, which is already replicated.
+    """
+
+    @staticmethod
+    def forward(ctx, logits):
+        logp = F.log_softmax(logits, dim=-1)
+        # the vocab sum of a Shard(-1) DTensor is Partial: reducing it is an all-reduce of [B, T]
+        entropy = -(logp.exp() * logp).sum(-1)
+        if isinstance(entropy, DTensor):
+            entropy = entropy.redistribute(placements=[Replicate()] * entropy.device_mesh.ndim)
+        ctx.save_for_backward(logits, entropy)
+        return entropy
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, entropy = ctx.saved_tensors
+        # recomputed rather than saved: one chunk's [B, k, V/TP] fp32 lives only here
+        logp = F.log_softmax(logits, dim=-1)
+        return -grad.unsqueeze(-1) * logp.exp() * (logp + entropy.unsqueeze(-1))
+
+
 def compute_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """fp32 entropy of softmax(logits / temperature) per position, [B, T], plain tensor."""
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
-    logp = F.log_softmax(logits, dim=-1)
-    # the vocab sum of a Shard(-1) DTensor is Partial: reducing it is an all-reduce of [B, T]
-    return _plain(-(logp.exp() * logp).sum(-1))
+    return _plain(_Entropy.apply(logits))
 
 
 _compiled: dict[object, object] = {}

@@ -56,3 +56,51 @@ def torchrun(nproc: int, config: str, *overrides: str, env: dict | None = None, 
     ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+CONFIG = "train_configs/debug_cpu.toml"
+
+
+def check(proc) -> None:
+    """Fail with the run's output tail when a torchrun launch failed."""
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+
+
+def scalars(dump: Path) -> dict[str, list[float]]:
+    """TensorBoard scalars of a run's dump folder: tag -> values by step."""
+    import glob
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (run_dir,) = glob.glob(str(dump / "tb" / "*"))
+    acc = EventAccumulator(run_dir)
+    acc.Reload()
+    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def read_checkpoint(path: Path) -> dict:
+    """A DCP checkpoint folder as one flat state dict on CPU."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = path.with_suffix(".pt")
+    dcp_to_torch_save(str(path), str(out))
+    return torch.load(out, weights_only=False)
+
+
+@pytest.fixture(scope="session")
+def seed_checkpoint(tmp_path_factory) -> Path:
+    """torchtitan's seed checkpoint of the debug model: every end-to-end run starts from these weights."""
+    dump = tmp_path_factory.mktemp("seed")
+    check(torchrun(1, CONFIG, "--job.dump_folder", str(dump), "--checkpoint.enable",
+                   "--checkpoint.create_seed_checkpoint", "--parallelism.tensor_parallel_degree", "1"))
+    return dump / "checkpoint" / "step-0"
+
+
+def train(tmp_path_factory, seed: Path, name: str, nproc: int, *extra: str, steps: int = 3, env=None) -> Path:
+    """A run of the bundled config from the seed weights, with a full checkpoint at the last step."""
+    dump = tmp_path_factory.mktemp(name)
+    check(torchrun(nproc, CONFIG, "--job.dump_folder", str(dump), "--training.steps", str(steps),
+                   "--checkpoint.enable", "--checkpoint.initial_load_path", str(seed),
+                   "--checkpoint.no-last-save-model-only", "--checkpoint.interval", "1000", *extra, env=env))
+    return dump

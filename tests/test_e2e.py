@@ -4,17 +4,14 @@ All runs start from one seed checkpoint (torchtitan's --checkpoint.create_seed_c
 1 rank, TP=2 and FSDP=2 train the same weights on the same global batch.
 """
 
-import glob
 from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import torchrun
+from conftest import read_checkpoint, scalars, train
 from plugin.model import REFERENCE_PREFIX
 
-CONFIG = "train_configs/debug_cpu.toml"
 STEPS = 3
 # fp32 everywhere; TP and FSDP only reorder reductions (seen: 1e-5 relative on grad_norm)
 RTOL = 1e-4
@@ -28,44 +25,9 @@ RUNS = {
 }
 
 
-def _ok(proc):
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-
-
-def scalars(dump: Path) -> dict[str, list[float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    (run_dir,) = glob.glob(str(dump / "tb" / "*"))
-    acc = EventAccumulator(run_dir)
-    acc.Reload()
-    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-
-
-def checkpoint(path: Path) -> dict:
-    out = path.with_suffix(".pt")
-    dcp_to_torch_save(str(path), str(out))
-    return torch.load(out, weights_only=False)
-
-
 @pytest.fixture(scope="module")
-def seed(tmp_path_factory) -> Path:
-    dump = tmp_path_factory.mktemp("seed")
-    _ok(torchrun(1, CONFIG, "--job.dump_folder", str(dump), "--checkpoint.enable",
-                 "--checkpoint.create_seed_checkpoint", "--parallelism.tensor_parallel_degree", "1"))
-    return dump / "checkpoint" / "step-0"
-
-
-def train(tmp_path_factory, seed, name, nproc, extra, env=None) -> Path:
-    dump = tmp_path_factory.mktemp(name)
-    _ok(torchrun(nproc, CONFIG, "--job.dump_folder", str(dump), "--training.steps", str(STEPS),
-                 "--checkpoint.enable", "--checkpoint.initial_load_path", str(seed),
-                 "--checkpoint.no-last-save-model-only", "--checkpoint.interval", "1000", *extra, env=env))
-    return dump
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, seed) -> dict[str, Path]:
-    return {name: train(tmp_path_factory, seed, name, n, extra) for name, (n, extra) in RUNS.items()}
+def runs(tmp_path_factory, seed_checkpoint) -> dict[str, Path]:
+    return {name: train(tmp_path_factory, seed_checkpoint, name, n, *extra, steps=STEPS) for name, (n, extra) in RUNS.items()}
 
 
 @pytest.mark.parametrize("name", ["tp2", "fsdp2"])
@@ -92,9 +54,9 @@ def test_same_losses_across_parallelisms(runs):
 
 
 @pytest.mark.parametrize("name", ["tp2", "fsdp2"])
-def test_reference_frozen_policy_trained(runs, seed, name):
-    start = checkpoint(seed)
-    end = checkpoint(runs[name] / "checkpoint" / f"step-{STEPS}")
+def test_reference_frozen_policy_trained(runs, seed_checkpoint, name):
+    start = read_checkpoint(seed_checkpoint)
+    end = read_checkpoint(runs[name] / "checkpoint" / f"step-{STEPS}")
     reference = {k[len(REFERENCE_PREFIX):]: v for k, v in end["optimizer"].items() if k.startswith(REFERENCE_PREFIX)}
     assert set(reference) == set(start)
     for key, initial in start.items():
@@ -102,7 +64,7 @@ def test_reference_frozen_policy_trained(runs, seed, name):
         assert not torch.equal(end[key], initial), key
 
 
-def test_compiled_tp_shares_a_cache_and_matches_eager(runs, seed, tmp_path_factory):
+def test_compiled_tp_shares_a_cache_and_matches_eager(runs, seed_checkpoint, tmp_path_factory):
     """TP=2 with compiled blocks, policy loss and reference log-probs, twice on one inductor cache.
 
     Without the per-rank cache guard the second (warm) run reuses one rank's graph on the
@@ -113,7 +75,9 @@ def test_compiled_tp_shares_a_cache_and_matches_eager(runs, seed, tmp_path_facto
              "--reference_model.compile"]
     eager = scalars(runs["tp2"])
     for name in ("compiled_cold", "compiled_warm"):
-        tb = scalars(train(tmp_path_factory, seed, name, 2, flags, env={"TORCHINDUCTOR_CACHE_DIR": str(cache)}))
+        dump = train(tmp_path_factory, seed_checkpoint, name, 2, *flags, steps=STEPS,
+                     env={"TORCHINDUCTOR_CACHE_DIR": str(cache)})
+        tb = scalars(dump)
         for tag in ("loss_metrics/global_avg_loss", "grad_norm", "grpo/kl"):
             # inductor fuses and reorders fp32 math: agreement to 1e-4, not bitwise
             assert tb[tag] == pytest.approx(eager[tag], rel=1e-4, abs=1e-7), (name, tag)

@@ -192,37 +192,49 @@ def make_hidden(T: int, seed: int = 4) -> torch.Tensor:
     return torch.randn(B, T, D, generator=torch.Generator().manual_seed(seed))
 
 
-def head_reference(head: Head, hidden, labels, w, temperature):
-    """fp64 log-probs, entropies and gradients (hidden, norm weight, output weight) of the full sequence."""
+def head_reference(head: Head, hidden, labels, w, temperature, entropy_w=None):
+    """fp64 log-probs, entropies and gradients (hidden, norm weight, output weight) of the full sequence.
+
+    The loss is sum(w * logprobs), plus sum(entropy_w * entropy) when entropy_w is given.
+    """
 
     def full(p):
         return (p.full_tensor() if isinstance(p, DTensor) else p).detach().double().requires_grad_()
 
     h, norm_w, out_w = hidden.double().requires_grad_(), full(head.norm.weight), full(head.output.weight)
     logits = ref_head(h, norm_w, out_w, head.norm.eps)
-    logprobs = ref_logprobs(logits, labels, temperature)
-    (logprobs * w.double()).sum().backward()
-    return logprobs.detach(), ref_entropy(logits.detach(), temperature), h.grad, norm_w.grad, out_w.grad
+    logprobs, entropy = ref_logprobs(logits, labels, temperature), ref_entropy(logits, temperature)
+    loss = (logprobs * w.double()).sum()
+    if entropy_w is not None:
+        loss = loss + (entropy * entropy_w.double()).sum()
+    loss.backward()
+    return logprobs.detach(), entropy.detach(), h.grad, norm_w.grad, out_w.grad
 
 
-def run_chunked(head: Head, hidden, labels, w, *, temperature, chunk_size, seq_shards, compiled, log=None):
-    """chunked_logprobs forward + backward of sum(w * logprobs); grads of the weights as full tensors."""
+def run_chunked(head: Head, hidden, labels, w, *, temperature, chunk_size, seq_shards, compiled, entropy_w=None,
+                log=None):
+    """chunked_logprobs forward + backward of the loss above; grads of the weights as full tensors."""
     h = hidden.clone().requires_grad_()
     head.zero_grad(set_to_none=True)
     # under TP, backward must also run inside loss_parallel
     with loss_parallel() if seq_shards > 1 else contextlib.nullcontext(), log or contextlib.nullcontext():
         logprobs, entropy = chunked_logprobs(
             h, labels, lambda x: head.output(head.norm(x)), temperature=temperature, chunk_size=chunk_size,
-            seq_shards=seq_shards, compiled=compiled,
+            seq_shards=seq_shards, compiled=compiled, entropy_grad=entropy_w is not None,
         )
-        (logprobs * w).sum().backward()
+        loss = (logprobs * w).sum()
+        if entropy_w is not None:
+            loss = loss + (entropy * entropy_w).sum()
+        loss.backward()
 
     def full(g):
         return g.full_tensor() if isinstance(g, DTensor) else g
 
     assert type(logprobs) is torch.Tensor and logprobs.shape == labels.shape and logprobs.dtype == torch.float32
-    assert type(entropy) is torch.Tensor and entropy.shape == labels.shape and not entropy.requires_grad
-    return logprobs.detach(), entropy, h.grad, full(head.norm.weight.grad), full(head.output.weight.grad)
+    assert type(entropy) is torch.Tensor and entropy.shape == labels.shape
+    # without an entropy bonus the entropy is a statistic: no graph kept for it
+    assert entropy.requires_grad == (entropy_w is not None)
+    return logprobs.detach(), entropy.detach(), h.grad, full(head.norm.weight.grad), full(head.output.weight.grad)
 
 
 def compare_chunked(got, ref, tol, what: str) -> None:
@@ -244,6 +256,18 @@ def test_chunked_tp1(chunk_size):
     compare_chunked(got, ref, TOL[torch.float32], f"chunk_size={chunk_size} vs fp64")
     compare_chunked(got, whole, SAME_TOL, f"chunk_size={chunk_size} vs one chunk")
     assert (got[0][labels == IGNORE_INDEX] == 0).all()
+
+
+@pytest.mark.parametrize("chunk_size", [0, 8])
+def test_chunked_entropy_grad_tp1(chunk_size):
+    """entropy_grad=True (the entropy bonus): gradients of sum(w * logprobs + u * entropy) match fp64."""
+    T, V, temperature = 47, 1271, 0.7
+    head, hidden, labels, w = Head(D, V), make_hidden(T), make_labels(T, V), make_weights(T)
+    u = make_weights(T, seed=5)
+    ref = head_reference(head, hidden, labels, w, temperature, entropy_w=u)
+    got = run_chunked(head, hidden, labels, w, temperature=temperature, chunk_size=chunk_size, seq_shards=1,
+                      compiled=False, entropy_w=u)
+    compare_chunked(got, ref, TOL[torch.float32], f"entropy_grad chunk_size={chunk_size} vs fp64")
 
 
 @pytest.mark.parametrize("chunk_size, chunks", [(0, 1), (47, 1), (8, 6), (6, 8)])
@@ -462,6 +486,23 @@ def _tp_chunked(mesh, rank, chunk_size):
     assert log.calls and not too_big, f"chunk_size={chunk_size}: vocab-sized collectives {too_big}"
 
 
+def _tp_chunked_entropy_grad(mesh, rank):
+    """entropy_grad=True at TP=2: the entropy bonus's gradient reaches hidden and the weights intact."""
+    T, V, temperature = 46, 1271, 0.7
+    head = _tp_head(mesh, V)
+    hidden, labels, w, u = make_hidden(T), make_labels(T, V), make_weights(T), make_weights(T, seed=5)
+    ref = list(head_reference(head, hidden, labels, w, temperature, entropy_w=u))
+    local = slice(rank * T // 2, (rank + 1) * T // 2)
+    ref[2] = ref[2][:, local]
+    results = [
+        run_chunked(head, hidden[:, local], labels, w, temperature=temperature, chunk_size=chunk_size, seq_shards=2,
+                    compiled=False, entropy_w=u)
+        for chunk_size in (0, 8)
+    ]
+    for chunk_size, got in zip((0, 8), results):
+        compare_chunked(got, ref, TOL[torch.float32], f"TP=2 entropy_grad chunk_size={chunk_size} vs fp64")
+
+
 def _tp_eager_checks(rank, world_size, out_dir):
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world_size,))
@@ -472,6 +513,7 @@ def _tp_eager_checks(rank, world_size, out_dir):
     checks.run("log_sees_gather", _tp_log_sees_gather, mesh, 47)
     for chunk_size in TP_CHUNK_SIZES:
         checks.run(f"chunked_{chunk_size}", _tp_chunked, mesh, rank, chunk_size)
+    checks.run("chunked_entropy_grad", _tp_chunked_entropy_grad, mesh, rank)
     checks.save()
 
 
@@ -505,6 +547,11 @@ def test_tp_collective_log_sees_a_gather(tp_eager):
 def test_chunked_tp2(tp_eager, chunk_size):
     """SequenceParallel norm + ColwiseParallel output on sequence-sharded hidden, as torchtitan's llama3."""
     assert_check_passed(tp_eager, f"chunked_{chunk_size}")
+
+
+def test_chunked_entropy_grad_tp2(tp_eager):
+    """The entropy bonus (entropy_grad=True) under TP: gradients wrt hidden and weights match fp64."""
+    assert_check_passed(tp_eager, "chunked_entropy_grad")
 
 
 def _tp_compiled(mesh, rank, cache_dir):
