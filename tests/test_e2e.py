@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import read_checkpoint, scalars, train
+from conftest import CONFIG, read_checkpoint, scalars, torchrun, train
 from plugin.model import REFERENCE_PREFIX
 
 STEPS = 3
@@ -82,3 +82,15 @@ def test_compiled_tp_shares_a_cache_and_matches_eager(runs, seed_checkpoint, tmp
             # inductor fuses and reorders fp32 math: agreement to 1e-4, not bitwise
             assert tb[tag] == pytest.approx(eager[tag], rel=1e-4, abs=1e-7), (name, tag)
     assert sorted(p.name for p in cache.iterdir() if p.name.startswith("rank_")) == ["rank_0", "rank_1"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--grpo.kl_estimator", "k4"], "[grpo] kl_estimator = 'k4' is not one of ['k1', 'k2', 'k3']"),
+    (["--training.dataset_path", "data/missing.jsonl"], "[training] dataset_path = 'data/missing.jsonl': no such rollout file"),
+    (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "1"],
+     "pipeline parallelism is not supported"),
+])
+def test_bad_input_stops_torchrun_at_start_up(overrides, message):
+    proc = torchrun(2, CONFIG, "--training.steps", "1", *overrides)
+    assert proc.returncode != 0
+    assert message in proc.stdout + proc.stderr
