@@ -4,20 +4,31 @@ The reference is a deep copy of the policy's (meta-device) module, parallelized 
 torchtitan parallelize function on the same TP/FSDP mesh. It is kept out of the policy's
 module tree, so torchtitan's optimizer, grad-norm clipping, FSDP gradient reduction and
 checkpoint/export of `model_parts` only ever see the policy.
+
+The reference's lifecycle:
+1. start-up: at the first forward, i.e. after torchtitan's checkpoint load, it takes the
+   policy's weights or loads [reference_model] checkpoint_path; a resumed full checkpoint
+   restores it instead (it is saved with the optimizer state, see _ReferenceInTrainingState);
+2. sync: an optimizer step post-hook moves it toward the policy every sync_steps steps;
+3. offload: with [reference_model] offload it lives in CPU memory outside its forward.
 """
 
 import copy
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.fsdp import FSDPModule
 
+from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.logging import logger
 
 from . import cpu
-from .config import validate
+from .config import reference_checkpoint_format, validate
 from .logprobs import chunked_logprobs, isolate_compile_cache
 from .metrics import GRPOStats
 
@@ -45,6 +56,18 @@ class ScoringConfig:
     entropy_grad: bool = False  # the entropy bonus needs its gradient
 
 
+@dataclass
+class ReferenceConfig:
+    """Where the reference's start-up weights come from, and how it is synced and stored."""
+
+    checkpoint_path: str = ""  # "" = the policy's initial weights
+    checkpoint_format: str = ""  # "dcp" or "hf", resolved at start-up
+    sd_adapter: Any = None  # the TrainSpec's state-dict adapter, to read HF checkpoints
+    sync_steps: int = 0
+    sync_alpha: float = 1.0
+    offload: bool = False  # False on CPU, where there is nothing to offload to
+
+
 def _grpo_forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, rollouts=None, **kwargs):
     """Logits when called without labels (torchtitan's own use); PolicyOutput with them."""
     if labels is None:
@@ -53,8 +76,10 @@ def _grpo_forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None
     ref_logprobs = None
     if self.reference is not None:
         if self._reference_stale:
-            self.sync_reference()
-        with torch.no_grad(), self.grpo_stats.reference_pass(tokens.device):
+            with reference_on_device(self, tokens.device):
+                self.init_reference()
+        # the offload's transfers count toward the pass's time and peak memory
+        with torch.no_grad(), self.grpo_stats.reference_pass(tokens.device), reference_on_device(self, tokens.device):
             ref_logprobs = self.reference(tokens, labels=labels, **kwargs).logprobs
     logprobs, entropy = self.score(tokens, labels, **kwargs)
     if rollouts is None:  # the reference's own call: only log-probs are asked for
@@ -91,14 +116,66 @@ def _score(self, tokens: torch.Tensor, labels: torch.Tensor, **kwargs) -> tuple[
     )
 
 
-def _sync_reference(self) -> None:
-    """reference <- policy, parameter by parameter (same class, same parallelization, same shards)."""
-    with torch.no_grad():
-        ref_params = dict(self.reference.named_parameters())
-        for name, p in self.named_parameters():
-            ref_params[name].copy_(p)
+@torch.no_grad()
+def _sync_reference(self, alpha: float = 1.0) -> None:
+    """reference <- alpha * policy + (1 - alpha) * reference, parameter by parameter.
+
+    Both have the same class, parallelization and shards, so every update is local.
+    """
+    ref_params = dict(self.reference.named_parameters())
+    for name, p in self.named_parameters():
+        ref = ref_params[name]
+        if alpha == 1:
+            ref.copy_(p)
+        else:
+            ref.mul_(1 - alpha).add_(p, alpha=alpha)
+
+
+@torch.no_grad()
+def _init_reference(self) -> None:
+    """The reference's start-up weights: [reference_model] checkpoint_path, else the policy's."""
+    cfg = self.reference_cfg
+    if cfg.checkpoint_path:
+        load_reference_checkpoint(self.reference, cfg.checkpoint_path, cfg.checkpoint_format, cfg.sd_adapter)
+        logger.info(f"Reference model loaded from [reference_model] checkpoint_path = {cfg.checkpoint_path} ({cfg.checkpoint_format})")
+    else:
+        self.sync_reference()
+        logger.info("Reference model set to the policy's current weights")
     self._reference_stale = False
-    logger.info("Reference model set to the policy's current weights")
+
+
+def load_reference_checkpoint(reference: nn.Module, path: str, fmt: str, sd_adapter=None) -> None:
+    """Load a DCP step folder (model-only or full) or an HF safetensors folder into the reference.
+
+    DCP reshards to the reference's own TP/FSDP layout. HF goes through the TrainSpec's
+    state-dict adapter, exactly as torchtitan's `[checkpoint] initial_load_in_hf` does.
+    """
+    state_dict = get_model_state_dict(reference)
+    if fmt == "hf":
+        hf_state_dict = sd_adapter.to_hf(state_dict)
+        dcp.load(hf_state_dict, storage_reader=sd_adapter.get_hf_storage_reader(path))
+        state_dict = sd_adapter.from_hf(hf_state_dict)
+    else:
+        # a full checkpoint holds the model's entries at top level, next to "optimizer" etc.
+        dcp.load(state_dict, checkpoint_id=path)
+    set_model_state_dict(reference, state_dict)
+
+
+@contextmanager
+def reference_on_device(model: nn.Module, device: torch.device):
+    """With [reference_model] offload, the reference's weights visit `device` only inside this block.
+
+    `nn.Module.to` works for plain, TP (DTensor) and FSDP2-sharded parameters: it swaps
+    DTensor parameters in place, and FSDP2 re-registers its shards after the move.
+    """
+    if not model.reference_cfg.offload:
+        yield
+        return
+    model.reference.to(device)
+    try:
+        yield
+    finally:
+        model.reference.to("cpu")
 
 
 def _to_empty(self, *, device, recurse: bool = True):
@@ -115,6 +192,8 @@ def _init_weights(self, *args, **kwargs):
         # at the first forward, i.e. after torchtitan's checkpoint load if there is one
         self.reference.init_weights(*args, **kwargs)
         self._reference_stale = True
+        if self.reference_cfg.offload:
+            self.reference.to("cpu")
 
 
 def _train(self, mode: bool = True):
@@ -137,10 +216,12 @@ def grpo_model_cls(base: type[nn.Module]) -> type[nn.Module]:
             "_reference_restored": False,
             "grpo_stats": None,
             "scoring": ScoringConfig(),
+            "reference_cfg": ReferenceConfig(),
             "forward": _grpo_forward,
             "score": _score,
             "_hidden_states": _hidden_states,
             "sync_reference": _sync_reference,
+            "init_reference": _init_reference,
             "to_empty": _to_empty,
             "init_weights": _init_weights,
             "train": _train,
@@ -163,7 +244,10 @@ class _ReferenceInTrainingState:
     The reference is training state, like the optimizer's moments: it belongs in full
     checkpoints (so a resume is exact, and a synced reference survives), but never in the
     model-only / HF export, which is built from the policy's state dict alone.
+    With an offloaded reference the saved tensors are its CPU copies.
     """
+
+    grpo_steps = 0  # optimizer steps taken, for [reference_model] sync_steps
 
     def state_dict(self):
         sd = super().state_dict()
@@ -175,6 +259,7 @@ class _ReferenceInTrainingState:
     def load_state_dict(self, state_dict):
         ref_sd = {k[len(REFERENCE_PREFIX):]: state_dict.pop(k) for k in list(state_dict) if k.startswith(REFERENCE_PREFIX)}
         super().load_state_dict(state_dict)
+        self.grpo_steps = _optimizer_steps(self)
         model = self.model_parts[0]
         if ref_sd and model.reference is not None:
             set_model_state_dict(model.reference, ref_sd)
@@ -182,13 +267,37 @@ class _ReferenceInTrainingState:
             logger.info("Reference model restored from the checkpoint")
 
 
+def _optimizer_steps(container) -> int:
+    """Steps taken, as Adam/AdamW (torchtitan's optimizers) count them in their state."""
+    for optimizer in container.optimizers:
+        for state in optimizer.state.values():
+            if "step" in state:
+                return int(state["step"])
+    return 0
+
+
+def _sync_after_step(container, args, kwargs) -> None:
+    """Optimizer step post-hook: every sync_steps steps, move the reference toward the policy."""
+    container.grpo_steps += 1
+    model = container.model_parts[0]
+    cfg = model.reference_cfg
+    if container.grpo_steps % cfg.sync_steps == 0:
+        with reference_on_device(model, next(model.parameters()).device):
+            model.sync_reference(cfg.sync_alpha)
+        logger.info(f"Step {container.grpo_steps}: reference <- {cfg.sync_alpha} * policy + {1 - cfg.sync_alpha:g} * reference")
+
+
 def build_grpo_optimizers_fn(base_build: Callable) -> Callable:
-    """Wrap torchtitan's optimizer builder so checkpoints carry the reference model."""
+    """Wrap torchtitan's optimizer builder so checkpoints carry the reference model and it can sync."""
 
     def build_grpo_optimizers(model_parts, optimizer_config, parallel_dims, *args, **kwargs):
         container = base_build(model_parts, optimizer_config, parallel_dims, *args, **kwargs)
         base = type(container)
         container.__class__ = type(f"GRPO{base.__name__}", (_ReferenceInTrainingState, base), {})
+        model = model_parts[0]
+        if model.reference is not None and model.reference_cfg.sync_steps > 0:
+            # a resume restores the step count from the optimizer state (load_state_dict)
+            container.register_step_post_hook(_sync_after_step)
         return container
 
     return build_grpo_optimizers
@@ -210,9 +319,14 @@ def build_grpo_parallelize_fn(base_parallelize: Callable) -> Callable:
             reference = copy.deepcopy(model)  # still on meta: no memory yet
             reference = base_parallelize(reference, parallel_dims, job_config)
             reference.requires_grad_(False)
+            if isinstance(reference, FSDPModule):
+                # no backward follows its forward: free every all-gathered weight right away
+                # (torchtitan keeps the last layers' for backward), so its parameters also stay
+                # sharded like the policy's, as sync_reference needs
+                reference.set_reshard_after_forward(True)
             cpu.prepare_parallelized(reference)
         else:
-            logger.info("[grpo] beta = 0: no reference model is built")
+            logger.info("[grpo] beta = 0: no reference model is built, loaded or run; [reference_model] has no effect")
 
         model = base_parallelize(model, parallel_dims, job_config)
         cpu.prepare_parallelized(model)
@@ -227,6 +341,7 @@ def build_grpo_parallelize_fn(base_parallelize: Callable) -> Callable:
         model.grpo_stats = GRPOStats()
         if reference is not None:
             reference.scoring = ScoringConfig(compile=ref_compiled, **common)
+            model.reference_cfg = build_reference_config(model, job_config)
             # a plain attribute, not a submodule: invisible to parameters(), state_dict(), FSDP's root
             model.__dict__["reference"] = reference
             model._reference_stale = True
@@ -234,3 +349,19 @@ def build_grpo_parallelize_fn(base_parallelize: Callable) -> Callable:
         return model
 
     return parallelize_grpo
+
+
+def build_reference_config(model: nn.Module, job_config) -> ReferenceConfig:
+    """[reference_model] resolved at start-up: the checkpoint's format and reader, the offload's effect."""
+    r = job_config.reference_model
+    cfg = ReferenceConfig(sync_steps=r.sync_steps, sync_alpha=r.sync_alpha, offload=r.offload)
+    if r.checkpoint_path:
+        cfg.checkpoint_path = r.checkpoint_path
+        cfg.checkpoint_format = reference_checkpoint_format(r.checkpoint_path, r.checkpoint_format)
+        if cfg.checkpoint_format == "hf":
+            adapter_cls = get_train_spec(job_config.model.name).state_dict_adapter
+            cfg.sd_adapter = adapter_cls(model.model_args, job_config.model.hf_assets_path)
+    if r.offload and cpu.is_active():
+        logger.info("[reference_model] offload = true has no effect on CPU: the weights already live in CPU memory")
+        cfg.offload = False
+    return cfg

@@ -1,0 +1,158 @@
+"""Device memory with and without `[reference_model] offload`: the resting memory should drop by the reference's weights.
+
+Each setting runs in a fresh process on one GPU: the GRPO model built as torchtitan's Trainer
+builds it (meta init, the plugin's parallelize function, to_empty, init_weights), torchtitan's
+optimizer, and a few training steps on random tokens.
+
+Simplifications:
+1. One process, no parallelism: the reference's weights are whole (with TP/FSDP each rank
+   saves its shard's size instead).
+2. The loss is -mean(log-probs) of the policy; the reference pass runs as in training (its
+   log-probs feed no loss here, which changes no memory figure).
+3. fp32 weights; "resting" is the allocated memory between steps (weights, optimizer state),
+   "peak" the highest allocated memory within a step.
+
+Usage: python benchmarks/reference_offload.py [--model grpo_qwen3 --flavor 0.6B --batch 4 --seq 1024]
+On a machine without CUDA it prints why it cannot measure and exits 0: offload is a no-op when
+training on CPU, where the reference's weights already live in host memory.
+"""
+
+import argparse
+import csv
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+GiB = 2**30
+REPO = Path(__file__).resolve().parents[1]
+COLUMNS = ("offload", "ref_weights_gib", "resting_gib", "step_peak_gib", "ref_pass_growth_gib", "step_time_s")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="grpo_qwen3", help="a GRPO TrainSpec: grpo_qwen3 or grpo_llama3")
+    p.add_argument("--flavor", default="0.6B", help="a flavor of that model")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=4, help="training steps; the first is warm-up")
+    p.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    p.add_argument("--worker", metavar="JSON", help=argparse.SUPPRESS)  # set by the launcher
+    return p.parse_args(argv)
+
+
+def build(args, offload: bool, device: torch.device):
+    """Model (policy + reference) and optimizers, as torchtitan's Trainer builds them, on one device."""
+    import plugin  # noqa: F401  (registers the GRPO TrainSpecs)
+    from torchtitan.config import ConfigManager
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    overrides = ["--model.name", args.model, "--model.flavor", args.flavor, "--training.seq_len", str(args.seq),
+                 "--parallelism.tensor_parallel_degree", "1", "--parallelism.data_parallel_shard_degree", "1"]
+    if offload:
+        overrides.append("--reference_model.offload")
+    cfg = ConfigManager().parse_args(["--job.config_file", str(REPO / "train_configs/debug_cpu.toml"), *overrides])
+    spec = get_train_spec(cfg.model.name)
+    model_args = spec.model_args[cfg.model.flavor]
+    model_args.update_from_config(cfg)
+    pd = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    with torch.device("meta"):
+        model = spec.model_cls(model_args)
+    model = spec.parallelize_fn(model, pd, cfg)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights()
+    model.train()
+    return model, spec.build_optimizers_fn([model], cfg.optimizer, pd), model_args.vocab_size
+
+
+def worker(args, offload: bool) -> dict:
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    model, optimizers, vocab = build(args, offload, device)
+    ref_bytes = sum(p.numel() * p.element_size() for p in model.reference.parameters())
+    g = torch.Generator(device=device).manual_seed(0)
+    tokens = torch.randint(0, vocab, (args.batch, args.seq), device=device, generator=g)  # [B, T]
+    labels = torch.randint(0, vocab, (args.batch, args.seq), device=device, generator=g)  # [B, T]
+
+    times, peaks, resting = [], [], []
+    for _ in range(args.steps):
+        optimizers.zero_grad()  # frees the grads: what stays is weights and optimizer state
+        torch.cuda.synchronize()
+        resting.append(torch.cuda.memory_allocated())
+        torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        out = model(tokens, labels=labels)
+        (-out.logprobs.mean()).backward()
+        optimizers.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        peaks.append(torch.cuda.max_memory_allocated())
+    # step 1 allocates the optimizer state: measure from step 2 on
+    return {
+        "offload": offload,
+        "ref_weights_gib": ref_bytes / GiB,
+        "resting_gib": max(resting[1:]) / GiB,
+        "step_peak_gib": max(peaks[1:]) / GiB,
+        "ref_pass_growth_gib": model.grpo_stats.peaks["ref_peak_growth"],
+        "step_time_s": statistics.median(times[1:]),
+    }
+
+
+def launch(args, offload: bool) -> dict:
+    """One setting in a fresh process, so the other's allocations cannot show in its figures."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        cmd = [sys.executable, __file__, "--worker", str(result), "--model", args.model, "--flavor", args.flavor,
+               "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps)]
+        if offload:
+            cmd.append("--offload")
+        subprocess.run(cmd, cwd=REPO, check=True)
+        return json.loads(result.read_text())
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--worker" in argv:
+        offload = "--offload" in argv
+        args = parse_args([a for a in argv if a != "--offload"])
+        Path(args.worker).write_text(json.dumps(worker(args, offload)))
+        return 0
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("reference_offload: cannot measure device memory, there is no CUDA device here. "
+              "[reference_model] offload is a no-op when training on CPU: the reference's weights "
+              "already live in host memory, so there is nothing to move and nothing to save.")
+        return 0
+    if args.steps < 2:
+        raise SystemExit("--steps must be >= 2: the first step is warm-up")
+
+    rows = [launch(args, offload) for offload in (False, True)]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "reference_offload.csv"
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+
+    print(f"{args.model} {args.flavor}, batch {args.batch} x seq {args.seq}, {torch.cuda.get_device_name()}")
+    print(" | ".join(f"{c:>19}" for c in COLUMNS))
+    for r in rows:
+        print(" | ".join(f"{r[c]:>19.3f}" if isinstance(r[c], float) else f"{str(r[c]):>19}" for c in COLUMNS))
+    off, on = rows
+    print(f"resting memory drop: {off['resting_gib'] - on['resting_gib']:.3f} GiB "
+          f"(reference weights: {off['ref_weights_gib']:.3f} GiB); "
+          f"step peak drop: {off['step_peak_gib'] - on['step_peak_gib']:.3f} GiB; "
+          f"step time: {on['step_time_s'] / off['step_time_s']:.2f}x; CSV: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

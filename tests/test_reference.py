@@ -1,0 +1,276 @@
+"""The reference model's lifecycle: start-up weights, checkpoints, export, sync, offload, beta = 0.
+
+Simplifications:
+1. Fast tests build the GRPO model in one process as torchtitan's Trainer does (meta init,
+   parallelize, to_empty, init_weights); sharded models only appear in the torchrun tests.
+2. End-to-end tests launch torchtitan's own train.py (~15 s a launch on 2 cores), all from
+   the session's seed checkpoint, with 2-6 steps.
+3. Offload cannot move anything on a CPU-only machine: only its being a no-op there is tested.
+"""
+
+import copy
+import glob
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+from torchtitan.config import ConfigManager
+from torchtitan.distributed import ParallelDims
+from torchtitan.protocols.train_spec import get_train_spec
+
+from conftest import CONFIG, REPO, check, read_checkpoint, torchrun
+from plugin import config as grpo_config
+from plugin.model import REFERENCE_PREFIX, load_reference_checkpoint
+
+EXPORT_STEPS = 2
+
+
+def parse(*overrides):
+    return ConfigManager().parse_args(["--job.config_file", str(REPO / CONFIG), *overrides])
+
+
+def build(*overrides):
+    """The GRPO model in this process on CPU, built as torchtitan's Trainer builds it."""
+    cfg = parse("--parallelism.tensor_parallel_degree", "1", *overrides)
+    pd = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    spec = get_train_spec(cfg.model.name)
+    model_args = copy.deepcopy(spec.model_args[cfg.model.flavor])
+    model_args.update_from_config(cfg)
+    with torch.device("meta"):
+        model = spec.model_cls(model_args)
+    model = spec.parallelize_fn(model, pd, cfg)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights()
+    return model, cfg, pd, spec
+
+
+def batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 2048, (4, 16), generator=g), torch.randint(0, 2048, (4, 16), generator=g)
+
+
+def state(module) -> dict[str, torch.Tensor]:
+    """A (single-process) module's weights, cloned."""
+    return {k: v.detach().clone() for k, v in get_model_state_dict(module).items()}
+
+
+def reference_of(checkpoint: dict) -> dict[str, torch.Tensor]:
+    return {k[len(REFERENCE_PREFIX):]: v for k, v in checkpoint["optimizer"].items() if k.startswith(REFERENCE_PREFIX)}
+
+
+def hf_export(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def hf_adapter(cfg):
+    spec = get_train_spec(cfg.model.name)
+    return spec.state_dict_adapter(spec.model_args[cfg.model.flavor], None)
+
+
+def scalars_by_step(dump: Path) -> dict[str, dict[int, float]]:
+    """TensorBoard scalars of every launch in a dump folder: tag -> {step: value}."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = defaultdict(dict)
+    for run_dir in sorted(glob.glob(str(dump / "tb" / "*"))):
+        acc = EventAccumulator(run_dir)
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            out[tag].update({e.step: e.value for e in acc.Scalars(tag)})
+    return out
+
+
+def launch(dump: Path, seed: Path, nproc: int, steps: int, *extra: str):
+    proc = torchrun(nproc, CONFIG, "--job.dump_folder", str(dump), "--training.steps", str(steps),
+                    "--checkpoint.enable", "--checkpoint.initial_load_path", str(seed), *extra)
+    check(proc)
+    return proc
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--reference_model.checkpoint_path", "/nonexistent/step-9"],
+         r"\[reference_model\] checkpoint_path = '/nonexistent/step-9' does not exist"),
+        (["--reference_model.checkpoint_path", str(REPO / "plugin")],
+         r"checkpoint_path = .* holds neither a DCP .metadata file nor \*.safetensors files"),
+        (["--reference_model.checkpoint_path", str(REPO / "plugin/assets/tokenizer"), "--reference_model.checkpoint_format", "dcp"],
+         r"has no .metadata file, as \[reference_model\] checkpoint_format = 'dcp' requires"),
+        (["--reference_model.checkpoint_format", "safetensors"],
+         r"\[reference_model\] checkpoint_format = 'safetensors' is not one of"),
+        (["--reference_model.sync_steps", "4", "--reference_model.sync_alpha", "0"],
+         r"\[reference_model\] sync_alpha = 0.0 must be in \(0, 1\] when \[reference_model\] sync_steps = 4"),
+        (["--reference_model.sync_steps", "4", "--reference_model.sync_alpha", "1.5"],
+         r"\[reference_model\] sync_alpha = 1.5 must be in \(0, 1\]"),
+        (["--reference_model.sync_steps", "-1"], r"\[reference_model\] sync_steps = -1 must be >= 0"),
+    ],
+)
+def test_bad_reference_config_fails_at_start_up(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        build(*overrides)  # the parallelize function validates, before any weight exists
+
+
+def test_sync_alpha_is_checked_only_with_sync():
+    grpo_config.validate(parse("--reference_model.sync_alpha", "0"))
+
+
+def _param_bytes(module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def test_beta_zero_builds_and_runs_no_reference():
+    with_ref, *_ = build()
+    without, *_ = build("--grpo.beta", "0")
+    assert without.reference is None
+    assert _param_bytes(with_ref.reference) == _param_bytes(with_ref) == _param_bytes(without) > 0
+    tokens, labels = batch()
+    for model, passes in ((with_ref, 1), (without, 0)):
+        model(tokens, labels=labels)
+        assert model.grpo_stats.sums["ref_passes"] == passes
+
+
+def test_offload_is_a_noop_on_cpu():
+    model, *_ = build("--reference_model.offload")
+    assert model.reference_cfg.offload is False
+    assert all(p.device.type == "cpu" for p in model.reference.parameters())
+
+
+def _step(container, model, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=g)
+    container.step()
+
+
+def flat(module) -> torch.Tensor:
+    """All of a (single-process) module's weights as one vector, in state-dict order (a copy)."""
+    return torch.cat([v.detach().flatten() for v in get_model_state_dict(module).values()])
+
+
+def test_sync_moves_reference_toward_policy_and_survives_resume():
+    alpha = 0.3
+    flags = ("--reference_model.sync_steps", "2", "--reference_model.sync_alpha", str(alpha))
+    model, cfg, pd, spec = build(*flags)
+    tokens, labels = batch()
+    model(tokens, labels=labels)  # the first forward sets reference = policy
+    with torch.no_grad():
+        for p in model.reference.parameters():
+            p.add_(torch.randn_like(p))  # so that a sync is not a copy
+    container = spec.build_optimizers_fn([model], cfg.optimizer, pd)
+
+    ref0 = flat(model.reference)
+    _step(container, model, 1)
+    assert torch.equal(flat(model.reference), ref0)  # step 1: no sync
+    _step(container, model, 2)
+    ref2 = flat(model.reference)
+    torch.testing.assert_close(ref2, alpha * flat(model) + (1 - alpha) * ref0, rtol=1e-6, atol=1e-7)
+
+    # resume at step 2: the step count comes back with the optimizer state, so the next sync is at step 4
+    saved = copy.deepcopy(container.state_dict())
+    resumed, *_ = build(*flags)
+    resumed_container = spec.build_optimizers_fn([resumed], cfg.optimizer, pd)
+    resumed.load_state_dict(get_model_state_dict(model))
+    resumed_container.load_state_dict(saved)
+    assert resumed_container.grpo_steps == 2 and not resumed._reference_stale
+    assert torch.equal(flat(resumed.reference), ref2)
+    _step(resumed_container, resumed, 3)
+    assert torch.equal(flat(resumed.reference), ref2)
+    _step(resumed_container, resumed, 4)
+    torch.testing.assert_close(flat(resumed.reference), alpha * flat(resumed) + (1 - alpha) * ref2, rtol=1e-6, atol=1e-7)
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory, seed_checkpoint) -> dict[str, Path]:
+    """The policy after 2 steps, exported model-only as DCP (FSDP=2) and as HF safetensors (TP=2).
+
+    The FSDP run also syncs its reference every step: FSDP's sharded parameters are updated in place.
+    """
+    dcp_dump, hf_dump = tmp_path_factory.mktemp("export_dcp"), tmp_path_factory.mktemp("export_hf")
+    common = ("--checkpoint.interval", "1000", "--checkpoint.last_save_model_only")
+    launch(dcp_dump, seed_checkpoint, 2, EXPORT_STEPS, *common, "--parallelism.tensor_parallel_degree", "1",
+           "--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "8",
+           "--reference_model.sync_steps", "1", "--reference_model.sync_alpha", "0.5")
+    launch(hf_dump, seed_checkpoint, 2, EXPORT_STEPS, *common, "--checkpoint.last_save_in_hf")
+    step = f"checkpoint/step-{EXPORT_STEPS}"
+    return {"dcp": dcp_dump / step, "hf": hf_dump / step}
+
+
+def test_exports_hold_exactly_the_policy(exports, seed_checkpoint):
+    policy_keys = set(read_checkpoint(seed_checkpoint))
+    assert set(read_checkpoint(exports["dcp"])) == policy_keys
+    assert set(hf_export(exports["hf"])) == set(hf_adapter(parse()).to_hf(read_checkpoint(seed_checkpoint)))
+    assert grpo_config.reference_checkpoint_format(str(exports["dcp"])) == "dcp"
+    assert grpo_config.reference_checkpoint_format(str(exports["hf"])) == "hf"
+
+
+@pytest.mark.parametrize("fmt", ["dcp", "hf"])
+def test_load_reference_checkpoint(exports, fmt):
+    model, cfg, *_ = build()
+    adapter = hf_adapter(cfg)
+    load_reference_checkpoint(model.reference, str(exports[fmt]), fmt, adapter)
+    expected = read_checkpoint(exports["dcp"]) if fmt == "dcp" else adapter.from_hf(hf_export(exports["hf"]))
+    got = state(model.reference)
+    assert set(got) == set(expected)
+    for k, v in expected.items():
+        assert torch.equal(got[k], v), k
+
+
+def test_reference_starts_from_hf_initial_weights(tmp_path, exports):
+    """[checkpoint] initial_load_in_hf: the policy and so the reference start from the HF weights."""
+    launch(tmp_path, exports["hf"], 1, 2, "--checkpoint.initial_load_in_hf", "--parallelism.tensor_parallel_degree", "1",
+           "--checkpoint.no-last-save-model-only", "--checkpoint.interval", "1000")
+    expected = hf_adapter(parse()).from_hf(hf_export(exports["hf"]))
+    reference = reference_of(read_checkpoint(tmp_path / "checkpoint/step-2"))
+    assert set(reference) == set(expected)
+    assert all(torch.equal(reference[k], v) for k, v in expected.items())
+    assert scalars_by_step(tmp_path)["grpo/kl"][1] == 0
+
+
+RESUME_STEPS, RESUME_AT = 6, 3
+
+
+@pytest.fixture(scope="module")
+def resumed_runs(tmp_path_factory, seed_checkpoint, exports) -> dict:
+    """TP=2, reference from the HF export, synced every 2 steps: 6 steps straight, and 3 + resume + 3."""
+    flags = ("--checkpoint.interval", str(RESUME_AT), "--checkpoint.no-last-save-model-only",
+             "--lr_scheduler.total_steps", str(RESUME_STEPS),  # the same LR schedule for the 3-step launch
+             "--reference_model.checkpoint_path", str(exports["hf"]),
+             "--reference_model.sync_steps", "2", "--reference_model.sync_alpha", "0.5")
+    straight, split = tmp_path_factory.mktemp("straight"), tmp_path_factory.mktemp("split")
+    launch(straight, seed_checkpoint, 2, RESUME_STEPS, *flags)
+    launch(split, seed_checkpoint, 2, RESUME_AT, *flags)
+    second = launch(split, seed_checkpoint, 2, RESUME_STEPS, *flags)
+    return {"straight": straight, "split": split, "second_log": second.stdout + second.stderr}
+
+
+def test_resume_continues_bitwise(resumed_runs):
+    straight, split = (scalars_by_step(resumed_runs[k]) for k in ("straight", "split"))
+    assert sorted(split["loss_metrics/global_avg_loss"]) == list(range(1, RESUME_STEPS + 1))
+    for tag in ("loss_metrics/global_avg_loss", "grad_norm", "grpo/kl"):
+        assert split[tag] == straight[tag], tag
+    assert straight["grpo/kl"][1] > 0  # the reference came from checkpoint_path, not the policy
+
+    end = {k: read_checkpoint(resumed_runs[k] / f"checkpoint/step-{RESUME_STEPS}") for k in ("straight", "split")}
+    ref_straight, ref_split = reference_of(end["straight"]), reference_of(end["split"])
+    assert ref_straight and set(ref_straight) == set(ref_split)
+    assert all(torch.equal(v, ref_split[k]) for k, v in ref_straight.items())
+    # the resume restored the saved (synced) reference instead of reloading checkpoint_path
+    log = resumed_runs["second_log"]
+    assert "Reference model restored from the checkpoint" in log and "loaded from [reference_model]" not in log
+
+
+def test_beta_zero_run_has_no_reference(tmp_path, seed_checkpoint):
+    proc = launch(tmp_path, seed_checkpoint, 1, 2, "--grpo.beta", "0", "--parallelism.tensor_parallel_degree", "1",
+                  "--checkpoint.no-last-save-model-only", "--checkpoint.interval", "1000")
+    log = proc.stdout + proc.stderr
+    assert "[grpo] beta = 0: no reference model is built" in log and "Reference model" not in log
+    tags = scalars_by_step(tmp_path)
+    assert "loss_metrics/global_avg_loss" in tags
+    assert not [t for t in tags if t.startswith("grpo/ref_")]
+    assert not reference_of(read_checkpoint(tmp_path / "checkpoint/step-2"))
