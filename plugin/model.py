@@ -38,7 +38,7 @@ class PolicyOutput:
     """What the model hands to the loss: per-token log-probs and the batch's per-completion data."""
 
     logprobs: torch.Tensor  # [B, T] fp32, requires grad
-    entropy: torch.Tensor  # [B, T] fp32, detached
+    entropy: torch.Tensor  # [B, T] fp32; carries a gradient only with an entropy bonus
     ref_logprobs: torch.Tensor | None  # [B, T] fp32; None when beta = 0
     old_logprobs: torch.Tensor | None  # [B, T] behaviour log-probs, NaN where unknown; None: on-policy
     advantages: torch.Tensor | None  # [B]
