@@ -1,10 +1,10 @@
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from plugin.config import GRPO
+from conftest import REPO
+from torchtitan.config import ConfigManager
 from plugin.loss import KL_MAX, build_grpo_loss, grpo_token_terms, kl_penalty
 from plugin.metrics import GRPOStats
 from plugin.model import PolicyOutput
@@ -99,11 +99,7 @@ def test_k3_is_nonnegative_zero_at_equality_and_clamped():
 
 def test_on_policy_loss_sum_and_gradient():
     """On-policy (old = lp.detach()): loss = -sum(A * mask) and d/dlp = -A * mask, plus beta * k3 terms."""
-    cfg = GRPO(beta=0.0)
-    job = SimpleNamespace(
-        grpo=cfg, compile=SimpleNamespace(enable=False, components=[], backend="inductor"),
-        parallelism=SimpleNamespace(pipeline_parallel_degree=1, context_parallel_degree=1, tensor_parallel_degree=1),
-    )
+    job = ConfigManager().parse_args(["--job.config_file", str(REPO / "train_configs/debug_cpu.toml"), "--grpo.beta", "0"])
     loss_fn = build_grpo_loss(job)
     lp = torch.randn(3, 6).requires_grad_()
     labels = torch.randint(0, 10, (3, 6))
