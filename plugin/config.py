@@ -2,12 +2,16 @@
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from . import cpu
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "fixed_horizon")
 ADVANTAGE_NORMS = ("group_std", "batch_std", "none")
+ROLLOUT_FORMATS = ("auto", "jsonl", "parquet")
+ROLLOUT_ON_ERROR = ("raise", "skip")
+REFERENCE_FORMATS = ("auto", "dcp", "hf")
 
 
 @dataclass
@@ -60,16 +64,62 @@ class ReferenceModel:
     compile: bool = False
     """torch.compile the reference model's log-prob computation (the policy's follows [compile] components 'loss')."""
 
+    checkpoint_path: str = ""
+    """Start the reference from this checkpoint (a DCP step folder or an HF *.safetensors folder); "" = the policy's initial weights."""
+
+    checkpoint_format: str = "auto"
+    """Format of checkpoint_path: dcp, hf, or auto (a .metadata file means dcp, *.safetensors files mean hf)."""
+
+    sync_steps: int = 0
+    """Every sync_steps optimizer steps, reference <- sync_alpha * policy + (1 - sync_alpha) * reference; 0 = never."""
+
+    sync_alpha: float = 0.6
+    """The policy's weight in a reference sync, in (0, 1]; 1 copies the policy."""
+
+    offload: bool = False
+    """Keep the reference's weights in CPU memory between its forward passes (no effect when training on CPU)."""
+
+
+@dataclass
+class RolloutData:
+    format: str = "auto"
+    """Rollout file format: jsonl, parquet, or auto (from [training] dataset_path's suffix: .jsonl/.json/.ndjson, .parquet/.pq)."""
+
+    on_error: str = "raise"
+    """A bad row stops the run with an error naming file, line and field (raise), or its group is left out and counted (skip)."""
+
+    chat_template: str = ""
+    """Python format string a text prompt is put in before tokenizing, e.g. "User: {prompt}\\nAssistant:"; "" = the prompt as is."""
+
 
 @dataclass
 class JobConfig:
     grpo: GRPO = field(default_factory=GRPO)
     reference_model: ReferenceModel = field(default_factory=ReferenceModel)
+    rollout_data: RolloutData = field(default_factory=RolloutData)
 
 
 def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"[{key.split('.')[0]}] {key.split('.')[1]} = {value!r} is not one of {list(choices)}")
+
+
+def reference_checkpoint_format(path: str, fmt: str = "auto") -> str:
+    """'dcp' or 'hf': the format of [reference_model] checkpoint_path, checked against the folder's contents."""
+    key = f"[reference_model] checkpoint_path = {path!r}"
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ValueError(f"{key} does not exist or is not a folder")
+    found = {"dcp": (folder / ".metadata").is_file(), "hf": any(folder.glob("*.safetensors"))}
+    if fmt == "auto":
+        if found["dcp"] == found["hf"]:
+            what = "holds both .metadata and *.safetensors" if found["dcp"] else "holds neither a DCP .metadata file nor *.safetensors files"
+            raise ValueError(f"{key} {what}; set [reference_model] checkpoint_format to 'dcp' or 'hf'")
+        return "dcp" if found["dcp"] else "hf"
+    if not found[fmt]:
+        expected = ".metadata file" if fmt == "dcp" else "*.safetensors files"
+        raise ValueError(f"{key} has no {expected}, as [reference_model] checkpoint_format = {fmt!r} requires")
+    return fmt
 
 
 def validate(job_config) -> None:
@@ -100,6 +150,32 @@ def validate(job_config) -> None:
         raise ValueError(f"[grpo] horizon = {g.horizon} must be >= 0 (0 = [training] seq_len)")
     if g.logprob_chunk_size < 0:
         raise ValueError(f"[grpo] logprob_chunk_size = {g.logprob_chunk_size} must be >= 0 (0 = no chunking)")
+
+    r = job_config.reference_model
+    _choice("reference_model.checkpoint_format", r.checkpoint_format, REFERENCE_FORMATS)
+    if r.checkpoint_path:
+        reference_checkpoint_format(r.checkpoint_path, r.checkpoint_format)
+    if r.sync_steps < 0:
+        raise ValueError(f"[reference_model] sync_steps = {r.sync_steps} must be >= 0 (0 = never)")
+    if r.sync_steps > 0 and not 0 < r.sync_alpha <= 1:
+        raise ValueError(
+            f"[reference_model] sync_alpha = {r.sync_alpha} must be in (0, 1] when "
+            f"[reference_model] sync_steps = {r.sync_steps}: reference <- alpha * policy + (1 - alpha) * reference"
+        )
+
+    d = job_config.rollout_data
+    _choice("rollout_data.format", d.format, ROLLOUT_FORMATS)
+    _choice("rollout_data.on_error", d.on_error, ROLLOUT_ON_ERROR)
+    if d.chat_template:
+        try:  # the prompt must show up in the result; another field or a stray brace raises
+            uses_prompt = d.chat_template.format(prompt="\0") != d.chat_template.format(prompt="")
+        except (KeyError, IndexError, ValueError, AttributeError):
+            uses_prompt = False
+        if not uses_prompt:
+            raise ValueError(
+                f"[rollout_data] chat_template = {d.chat_template!r} must be a format string whose one field is "
+                "{prompt} (write a literal brace as {{ or }})"
+            )
 
     p = job_config.parallelism
     if p.pipeline_parallel_degree > 1:

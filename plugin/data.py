@@ -1,34 +1,34 @@
-"""Rollout files -> GRPO batches.
+"""Rollout index -> GRPO microbatches: whole groups, the same global batch on every rank.
 
-A rollout file is JSONL, one completion per line: {"prompt", "completion", "reward", "group"}.
-`group` names the prompt the completion was sampled for; rewards are normalized within it,
-so a group is never split across batches or data-parallel ranks.
+`plugin.rollouts` checks and indexes the rollout file; this module cuts the index's groups
+into global batches and a rank's microbatches, and reads only the rows a microbatch trains on.
+Rewards are normalized within a group, so a group is never split across batches or ranks.
 
-Token layout of one completion (P prompt tokens incl. BOS, C completion tokens incl. EOS):
-    sequence = prompt + completion                     # P + C tokens
-    input    = sequence[:-1], padded to seq_len
+Token layout of one completion (P prompt tokens, C completion tokens):
+    sequence = prompt + completion                     # P + C tokens, P + C <= seq_len + 1
+    input    = sequence[:-1], right-padded to seq_len with the pad (EOS) id
     labels   = sequence[1:], IGNORE_INDEX where the target is a prompt token or padding
-so the loss mask (labels != IGNORE_INDEX) covers exactly the C completion tokens.
+so the loss mask (labels != IGNORE_INDEX) covers exactly the C completion tokens; nothing is
+truncated (a longer row is a bad row, see plugin.rollouts).
 """
 
-import json
 import math
-import os
-import random
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.logging import logger
 
 from .config import validate
-
-FIELDS = {"prompt": str, "completion": str, "reward": (int, float), "group": (str, int)}
+from .metrics import GRPOStats
+from .rollouts import Completion, Encoder, RolloutError, RolloutIndex, index_rollouts
 
 
 @dataclass
@@ -47,78 +47,6 @@ class Rollouts:
     def to(self, device: torch.device) -> "Rollouts":
         move = lambda t: t.to(device) if t is not None else None  # noqa: E731
         return Rollouts(*(move(t) for t in (self.advantages, self.rewards, self.loss_weights, self.old_logprobs)))
-
-
-class RolloutError(ValueError):
-    """A rollout row that cannot be trained on; the message names the file, line and field."""
-
-
-@dataclass
-class Completion:
-    tokens: list[int]  # prompt + completion token ids
-    prompt_len: int
-    reward: float
-    where: str  # "file:line", for errors
-
-
-def _parse_row(line: str, where: str) -> dict[str, Any]:
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise RolloutError(f"{where}: not valid JSON ({e.msg})") from None
-    if not isinstance(row, dict):
-        raise RolloutError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    for name, types in FIELDS.items():
-        if name not in row:
-            raise RolloutError(f"{where}: missing field '{name}'")
-        value = row[name]
-        if not isinstance(value, types) or isinstance(value, bool):
-            raise RolloutError(f"{where}: field '{name}' has type {type(value).__name__}")
-    if not math.isfinite(row["reward"]):
-        raise RolloutError(f"{where}: field 'reward' is {row['reward']}, not a finite number")
-    if not row["completion"]:
-        raise RolloutError(f"{where}: field 'completion' is empty")
-    return row
-
-
-def read_rollouts(path: str, tokenizer, seq_len: int) -> list[list[Completion]]:
-    """Tokenized groups in order of first appearance; raises RolloutError on the first bad row."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"[training] dataset_path = {path!r}: no such rollout file")
-    groups: dict[Any, list[Completion]] = {}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            row = _parse_row(line, where)
-            prompt = tokenizer.encode(row["prompt"], add_bos=True, add_eos=False)
-            completion = tokenizer.encode(row["completion"], add_bos=False, add_eos=True)
-            if len(prompt) + len(completion) - 1 > seq_len:
-                raise RolloutError(
-                    f"{where}: prompt + completion is {len(prompt) + len(completion)} tokens, "
-                    f"more than [training] seq_len + 1 = {seq_len + 1}"
-                )
-            groups.setdefault(row["group"], []).append(
-                Completion(prompt + completion, len(prompt), float(row["reward"]), where)
-            )
-    if not groups:
-        raise RolloutError(f"{path}: no rollout rows")
-    return list(groups.values())
-
-
-def check_group_sizes(groups: list[list[Completion]], group_size: int) -> int:
-    """The common group size (from [grpo] group_size, or inferred); errors name the group's first row."""
-    expected = group_size or len(groups[0])
-    for g in groups:
-        if len(g) != expected:
-            source = "[grpo] group_size" if group_size else f"the first group ({groups[0][0].where})"
-            raise RolloutError(
-                f"{g[0].where}: the group starting here has {len(g)} completions, {source} has {expected}"
-            )
-    if expected < 2:
-        raise RolloutError(f"{groups[0][0].where}: groups of 1 completion have no advantage to compare")
-    return expected
 
 
 def advantages(rewards: torch.Tensor, group_size: int, norm: str, eps: float) -> torch.Tensor:
@@ -176,84 +104,109 @@ class RolloutDataset(IterableDataset, Stateful):
     The group stream is one seeded permutation of all groups per epoch, concatenated over
     epochs: global batch s is the stream's groups [s*K, (s+1)*K), K = groups per step. Every
     rank computes the same stream, so a global batch's statistics (completion tokens, reward
-    std) are known on every rank without communication, and no group is dropped or repeated
-    within an epoch whatever the DP degree.
+    std) come from the index on every rank without communication, and no group is dropped or
+    repeated within an epoch whatever the DP degree. A rank reads only its own microbatch's rows.
     """
 
-    def __init__(self, groups: list[list[Completion]], plan: BatchPlan, collate: "Collate", seed: int):
-        self.groups, self.plan, self.collate, self.seed = groups, plan, collate, seed
+    def __init__(self, index: RolloutIndex, plan: BatchPlan, collate: "Collate", seed: int):
+        self.index, self.plan, self.collate, self.seed = index, plan, collate, seed
         self.step, self.microbatch = 0, 0  # position: the next (global batch, microbatch) to yield
+        self._orders: dict[int, np.ndarray] = {}
 
-    def epoch_order(self, epoch: int) -> list[int]:
-        order = list(range(len(self.groups)))
-        random.Random(f"{self.seed}:{epoch}").shuffle(order)
-        return order
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """The epoch's permutation of group ids; the last two are cached (a step can span two epochs)."""
+        if epoch not in self._orders:
+            rng = np.random.default_rng([self.seed % 2**63, epoch])
+            self._orders = {e: o for e, o in self._orders.items() if e == epoch - 1}
+            self._orders[epoch] = rng.permutation(self.index.num_groups)
+        return self._orders[epoch]
 
-    def step_groups(self, step: int) -> list[int]:
+    def step_groups(self, step: int) -> np.ndarray:
         """The group ids of global batch `step`."""
-        k, n = self.plan.groups_per_step, len(self.groups)
-        first, out = step * k, []
-        while len(out) < k:
-            epoch, offset = divmod(first + len(out), n)
-            out.extend(self.epoch_order(epoch)[offset : offset + k - len(out)])
-        return out
+        k, n = self.plan.groups_per_step, self.index.num_groups
+        start, end, out = step * k, (step + 1) * k, []
+        while start < end:
+            epoch, offset = divmod(start, n)
+            out.append(self.epoch_order(epoch)[offset : offset + end - start])
+            start += len(out[-1])
+        return np.concatenate(out)
 
     def __iter__(self):
-        k, n = self.plan.groups_per_step, len(self.groups)
+        k, n, G = self.plan.groups_per_step, self.index.num_groups, self.plan.group_size
         while True:
-            batch = [self.groups[g] for g in self.step_groups(self.step)]
+            # the step's completions, group-major: entry i * G + j is completion j of the i-th group
+            items = (self.step_groups(self.step)[:, None] * G + np.arange(G)).ravel()
+            rewards = torch.from_numpy(self.index.rewards[items])
+            completion_lens = torch.from_numpy(self.index.lengths[items]).long()
             if self.microbatch == 0 and (self.step * k) // n != (self.step * k - 1) // n:
                 logger.info(f"Rollout data: epoch {self.step * k // n} starts at step {self.step + 1}")
             while self.microbatch < self.plan.grad_accum:
-                positions = self.plan.microbatch(self.microbatch)
+                rows = [i * G + j for i in self.plan.microbatch(self.microbatch) for j in range(G)]
                 self.microbatch += 1
-                yield self.collate(batch, positions)
+                yield self.collate(rewards, completion_lens, rows, self.index.read(items[rows]))
             self.step, self.microbatch = self.step + 1, 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "microbatch": self.microbatch}
+        return {"step": self.step, "microbatch": self.microbatch, "num_groups": self.index.num_groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = state_dict.get("num_groups", self.index.num_groups)
+        if saved != self.index.num_groups:
+            raise RolloutError(
+                f"{self.index.path}: {self.index.num_groups} valid groups, but the checkpoint's data position "
+                f"is in a stream of {saved}; resume with the same rollout file and [rollout_data] settings"
+            )
         self.step, self.microbatch = state_dict["step"], state_dict["microbatch"]
 
 
 class Collate:
-    """One microbatch: pads to seq_len, masks all but completion tokens, attaches advantages and loss weights."""
+    """One microbatch: padded to seq_len, completion tokens unmasked, with advantages, loss weights, behaviour log-probs."""
 
-    def __init__(self, seq_len: int, pad_id: int, grpo):
-        self.seq_len, self.pad_id, self.cfg = seq_len, pad_id, grpo
+    def __init__(self, seq_len: int, pad_id: int, grpo, group_size: int):
+        self.seq_len, self.pad_id, self.cfg, self.group_size = seq_len, pad_id, grpo, group_size
 
-    def __call__(self, global_batch: list[list[Completion]], mine: range):
-        """`global_batch`: every group of the step, in order; `mine`: positions of this microbatch's groups."""
+    def __call__(self, rewards: torch.Tensor, completion_lens: torch.Tensor, rows: list[int], batch: list[Completion]):
+        """`rewards`, `completion_lens`: [N], every completion of the step, group-major;
+        `rows`: this microbatch's positions among them; `batch`: those completions."""
         cfg = self.cfg
-        flat = [c for g in global_batch for c in g]
-        G = len(global_batch[0])
-        rewards = torch.tensor([c.reward for c in flat], dtype=torch.float32)
-        adv = advantages(rewards, G, cfg.advantage_norm, cfg.advantage_eps)
-        lens = torch.tensor([len(c.tokens) - c.prompt_len for c in flat])
-        weights = loss_weights(lens, cfg.loss_aggregation, cfg.horizon or self.seq_len)
-        rows = [i * G + k for i in mine for k in range(G)]
-        batch = [flat[i] for i in rows]
+        adv = advantages(rewards, self.group_size, cfg.advantage_norm, cfg.advantage_eps)
+        weights = loss_weights(completion_lens, cfg.loss_aggregation, cfg.horizon or self.seq_len)
         n = len(batch)
         inputs = torch.full((n, self.seq_len), self.pad_id, dtype=torch.long)
         labels = torch.full((n, self.seq_len), IGNORE_INDEX, dtype=torch.long)
+        # only when a row has them: None keeps the loss on-policy without a [B, T] tensor of NaN
+        old_logprobs = torch.full((n, self.seq_len), math.nan) if any(c.logprobs for c in batch) else None
         for i, c in enumerate(batch):
             seq = torch.tensor(c.tokens, dtype=torch.long)
             inputs[i, : len(seq) - 1] = seq[:-1]
             # position t predicts token t+1: completion targets start at prompt_len - 1
             labels[i, c.prompt_len - 1 : len(seq) - 1] = seq[c.prompt_len :]
-        rollouts = Rollouts(adv[rows], rewards[rows], weights[rows])
+            if c.logprobs:
+                old_logprobs[i, c.prompt_len - 1 : len(seq) - 1] = torch.tensor(c.logprobs)
+        rollouts = Rollouts(adv[rows], rewards[rows], weights[rows], old_logprobs)
         return {"input": inputs, "labels": labels, "rollouts": rollouts}, labels
 
 
+def model_vocab_size(job_config, tokenizer) -> int:
+    """The model's vocabulary size (ids at or above it index past the embedding); else the tokenizer's."""
+    try:
+        return get_train_spec(job_config.model.name).model_args[job_config.model.flavor].vocab_size
+    except (KeyError, ValueError, AttributeError):
+        return tokenizer.get_vocab_size()
+
+
 def build_rollout_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config, **kwargs):
-    """torchtitan's dataloader builder for rollout files named by [training] dataset_path."""
+    """torchtitan's dataloader builder for the rollout file named by [training] dataset_path."""
     validate(job_config)
-    training, grpo = job_config.training, job_config.grpo
+    training, grpo, cfg = job_config.training, job_config.grpo, job_config.rollout_data
     if not training.dataset_path:
-        raise ValueError("[training] dataset_path is empty: set it to a rollout JSONL file")
-    groups = read_rollouts(training.dataset_path, tokenizer, training.seq_len)
-    group_size = check_group_sizes(groups, grpo.group_size)
+        raise ValueError("[training] dataset_path is empty: set it to a rollout file (JSONL or Parquet)")
+    encoder = Encoder(tokenizer, model_vocab_size(job_config, tokenizer), training.seq_len, cfg.chat_template)
+    index = index_rollouts(training.dataset_path, encoder, fmt=cfg.format, group_size=grpo.group_size,
+                           on_error=cfg.on_error)
+    # every rank indexes the whole file, so the count is the same on all of them
+    GRPOStats.skipped_rows = index.skipped_rows
+    group_size = index.group_size
     if training.local_batch_size % group_size:
         raise ValueError(
             f"[training] local_batch_size = {training.local_batch_size} must be a multiple of the "
@@ -267,17 +220,17 @@ def build_rollout_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_co
         dp_rank=dp_rank,
         dp_world_size=dp_world_size,
     )
-    if plan.groups_per_step > len(groups):
+    if plan.groups_per_step > index.num_groups:
         raise RolloutError(
-            f"{training.dataset_path}: {len(groups)} groups, fewer than one global batch "
+            f"{training.dataset_path}: {index.num_groups} groups, fewer than one global batch "
             f"({plan.groups_per_step} groups of {group_size})"
         )
     logger.info(
-        f"Rollouts: {len(groups)} groups of {group_size} from {training.dataset_path}; "
-        f"{plan.groups_per_step} groups per step, {len(groups) / plan.groups_per_step:.1f} steps per epoch"
+        f"Rollouts: {index.num_groups} groups of {group_size} from {training.dataset_path} "
+        f"({'grouped' if index.grouped else 'flat'} rows, index {index.nbytes / 2**20:.2f} MiB); "
+        f"{plan.groups_per_step} groups per step, {index.num_groups / plan.groups_per_step:.1f} steps per epoch"
     )
     pad_id = tokenizer.eos_id if tokenizer.eos_id is not None else 0
-    collate = Collate(training.seq_len, pad_id, grpo)
-    dataset = RolloutDataset(groups, plan, collate, job_config.debug.seed or 0)
+    dataset = RolloutDataset(index, plan, Collate(training.seq_len, pad_id, grpo, group_size), job_config.debug.seed or 0)
     # the dataset yields whole microbatches: no automatic batching
     return ParallelAwareDataloader(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=None)

@@ -44,6 +44,10 @@ def reset_memory_peak(device: torch.device) -> None:
 class GRPOStats:
     """Running sums since the last log, filled by the model (reference pass) and the loss (tokens)."""
 
+    # rows of the rollout file left out by [rollout_data] on_error = "skip": set once per run by
+    # plugin.data's dataloader builder; every rank indexes the whole file, so no reduction
+    skipped_rows = 0
+
     def __init__(self):
         self.reset()
 
@@ -106,6 +110,7 @@ class GRPOStats:
             "grpo/advantage_mean": adv_mean,
             "grpo/advantage_std": max(s["adv_sq"] / seqs - adv_mean**2, 0.0) ** 0.5,
             "grpo/completion_length_mean": s["tokens"] / seqs,
+            "grpo/skipped_rows": float(self.skipped_rows),
         }
         if s["ref_passes"]:
             out["grpo/ref_time(s)"] = s["ref_time"] / s["ref_passes"]

@@ -1,0 +1,131 @@
+"""Does GRPO on the bundled arithmetic rollouts teach the policy? Held-out log-probs before and after.
+
+The bundled config (train_configs/debug_cpu.toml, llama3 debugmodel, TP=2) trains from a seed
+checkpoint; then, for each of the 64 held-out groups (data/arith_heldout.jsonl, prompts never in
+training), the margin is mean log p(completion | prompt) of its reward-1 completions minus that
+of its reward-0 completions, log-probs summed over completion tokens with plugin.logprobs. The
+figure is the margin's mean over groups, for the seed weights and for the trained ones.
+
+Simplifications:
+1. One seed and one run; the test (tests/test_learning.py) asserts half the observed rise.
+2. The policy is scored in fp32 on CPU, one batch of all 256 held-out completions.
+
+Usage: python benchmarks/learning_signal.py [--steps 40] [--out-dir /tmp/learning_signal]
+Writes benchmarks/results/learning_signal.csv and .png and prints the figures.
+"""
+
+import argparse
+import csv
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+CONFIG = "train_configs/debug_cpu.toml"
+HELDOUT = REPO / "data" / "arith_heldout.jsonl"
+SEQ_LEN = 16  # debug_cpu.toml's [training] seq_len
+
+
+def load_policy(checkpoint: Path) -> torch.nn.Module:
+    """The GRPO llama3 debugmodel with the policy weights of a DCP checkpoint folder (model-only or full)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    import plugin  # noqa: F401  (registers grpo_llama3)
+
+    spec = get_train_spec("grpo_llama3")
+    model = spec.model_cls(dataclasses.replace(spec.model_args["debugmodel"], max_seq_len=SEQ_LEN))
+    out = Path(f"{checkpoint}.pt")
+    if not out.exists():
+        dcp_to_torch_save(str(checkpoint), str(out))
+    saved = torch.load(out, weights_only=False)
+    # a full checkpoint keeps the model's entries at top level, next to "optimizer" and the rest
+    model.load_state_dict({k: saved[k] for k in model.state_dict()})
+    return model.eval()
+
+
+@torch.no_grad()
+def heldout_margins(model: torch.nn.Module, path: Path = HELDOUT) -> np.ndarray:
+    """Per held-out group: mean summed log-prob of its reward-1 completions minus its reward-0 ones."""
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    from plugin.config import GRPO
+    from plugin.data import Collate
+    from plugin.logprobs import compute_logprobs
+    from plugin.rollouts import Encoder, index_rollouts
+
+    tokenizer = HuggingFaceTokenizer(str(REPO / "plugin/assets/tokenizer"))
+    index = index_rollouts(str(path), Encoder(tokenizer, tokenizer.get_vocab_size(), SEQ_LEN))
+    items = np.arange(len(index.offsets))
+    inputs, labels = Collate(SEQ_LEN, tokenizer.eos_id, GRPO(), index.group_size)(
+        torch.from_numpy(index.rewards), torch.from_numpy(index.lengths).long(), items.tolist(), index.read(items)
+    )
+    logits = model(inputs["input"])  # [B, T, V]: no labels, so torchtitan's own forward
+    logprobs = compute_logprobs(logits, labels).sum(dim=1).view(-1, index.group_size).double()  # [groups, G]
+    right = torch.from_numpy(index.rewards).view(-1, index.group_size) == 1
+    mean = lambda m: (logprobs * m).sum(1) / m.sum(1)  # noqa: E731
+    return (mean(right) - mean(~right)).numpy()
+
+
+def torchrun(nproc: int, *args: str) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
+           "--rdzv_endpoint=localhost:0", "--local-ranks-filter=0", "-m", "torchtitan.train",
+           "--job.config_file", CONFIG, *args]
+    subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--out-dir", default="/tmp/learning_signal")
+    args = parser.parse_args()
+    out = Path(args.out_dir)
+    seed, run = out / "seed", out / "run"
+    if not (seed / "checkpoint" / "step-0").exists():
+        torchrun(1, "--job.dump_folder", str(seed), "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
+                 "--parallelism.tensor_parallel_degree", "1")
+    if not (run / "checkpoint" / f"step-{args.steps}").exists():
+        torchrun(2, "--job.dump_folder", str(run), "--training.steps", str(args.steps), "--checkpoint.enable",
+                 "--checkpoint.initial_load_path", str(seed / "checkpoint" / "step-0"),
+                 "--checkpoint.interval", "1000")
+    before = heldout_margins(load_policy(seed / "checkpoint" / "step-0"))
+    after = heldout_margins(load_policy(run / "checkpoint" / f"step-{args.steps}"))
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    with open(RESULTS / "learning_signal.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["group", "margin_before", "margin_after"])
+        writer.writerows([g, round(float(b), 4), round(float(a), 4)] for g, (b, a) in enumerate(zip(before, after)))
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 4))
+    ax.scatter(before, after, s=12)
+    lo, hi = min(before.min(), after.min()), max(before.max(), after.max())
+    ax.plot([lo, hi], [lo, hi], ":", color="gray", label="no change")
+    ax.axhline(0, color="gray", lw=0.5)
+    ax.axvline(0, color="gray", lw=0.5)
+    ax.set_xlabel("margin at the seed weights (nats)")
+    ax.set_ylabel(f"margin after {args.steps} GRPO steps (nats)")
+    ax.set_title(f"{len(before)} held-out groups: mean margin {before.mean():+.1f} -> {after.mean():+.1f} nats\n"
+                 f"(median {np.median(before):+.1f} -> {np.median(after):+.1f})", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "learning_signal.png", dpi=110)
+    print(f"held-out groups: {len(before)}; margin = mean log p(reward 1) - mean log p(reward 0), summed over tokens")
+    for name, m in (("before", before), ("after", after)):
+        print(f"{name:6s}: mean {m.mean():+.2f} nats, median {np.median(m):+.2f}, groups with margin > 0: {(m > 0).mean():.0%}")
+    print(f"rise of the mean: {after.mean() - before.mean():+.2f} nats; groups whose margin rose: {(after > before).mean():.0%}")
+
+
+if __name__ == "__main__":
+    main()
