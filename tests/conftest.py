@@ -61,6 +61,13 @@ def torchrun(nproc: int, config: str, *overrides: str, env: dict | None = None, 
 CONFIG = "train_configs/debug_cpu.toml"
 
 
+def parse_config(*overrides: str):
+    """The bundled config merged with plugin.config's sections, as torchtitan parses it."""
+    from torchtitan.config import ConfigManager
+
+    return ConfigManager().parse_args(["--job.config_file", str(REPO / CONFIG), *overrides])
+
+
 def check(proc) -> None:
     """Fail with the run's output tail when a torchrun launch failed."""
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]

@@ -2,20 +2,18 @@ import dataclasses
 
 import pytest
 
-from torchtitan.config import ConfigManager
-
-from conftest import REPO
+from conftest import REPO, parse_config
 from plugin import config as grpo_config
 
 
-def parse(*overrides):
-    return ConfigManager().parse_args(["--job.config_file", str(REPO / "train_configs/debug_cpu.toml"), *overrides])
+parse = parse_config
 
 
 def test_sections_merge_with_defaults():
     cfg = parse()
     assert cfg.grpo.beta == 0.04 and cfg.grpo.kl_estimator == "k3"
     assert cfg.reference_model.compile is False
+    assert (cfg.rollout_data.format, cfg.rollout_data.on_error, cfg.rollout_data.chat_template) == ("auto", "raise", "")
     grpo_config.validate(cfg)
     cfg = parse("--grpo.beta", "0.1", "--grpo.logprob_chunk_size", "8")
     assert cfg.grpo.beta == 0.1 and cfg.grpo.logprob_chunk_size == 8
@@ -23,7 +21,7 @@ def test_sections_merge_with_defaults():
 
 def test_every_field_has_a_default_and_a_docstring():
     source = (REPO / "plugin/config.py").read_text()
-    for section in (grpo_config.GRPO, grpo_config.ReferenceModel):
+    for section in (grpo_config.GRPO, grpo_config.ReferenceModel, grpo_config.RolloutData):
         for f in dataclasses.fields(section):
             assert f.default is not dataclasses.MISSING, f.name
             # the line after the field is its one-line docstring
@@ -48,6 +46,11 @@ def test_every_field_has_a_default_and_a_docstring():
         (["--parallelism.tensor_parallel_degree", "2", "--compile.enable", "--activation_checkpoint.mode", "selective"],
          r"set \[activation_checkpoint\] mode = \"none\""),
         (["--parallelism.context_parallel_degree", "2"], r"context_parallel_degree = 2: context parallelism is not supported"),
+        (["--rollout_data.format", "csv"], r"\[rollout_data\] format = 'csv' is not one of"),
+        (["--rollout_data.on_error", "ignore"], r"\[rollout_data\] on_error = 'ignore' is not one of"),
+        (["--rollout_data.chat_template", "User: {question}"], r"\[rollout_data\] chat_template = .* one field is \{prompt\}"),
+        (["--rollout_data.chat_template", "no field"], r"\[rollout_data\] chat_template"),
+        (["--rollout_data.chat_template", "{prompt} }"], r"\[rollout_data\] chat_template"),
     ],
 )
 def test_bad_values_name_the_key(overrides, message):

@@ -1,4 +1,3 @@
-import dataclasses
 import json
 import logging
 import re
@@ -12,10 +11,8 @@ import torch
 
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
-from torchtitan.config import ConfigManager
 
-from conftest import REPO
-from plugin import config as grpo_config
+from conftest import REPO, parse_config
 from plugin.config import GRPO
 from plugin.data import BatchPlan, Collate, RolloutDataset, advantages, build_rollout_dataloader, loss_weights
 from plugin.metrics import GRPOStats
@@ -266,42 +263,13 @@ def test_changed_file_is_detected_when_read(tmp_path, tokenizer):
 # ---- config and the dataloader builder ----
 
 
-def parse(*overrides):
-    return ConfigManager().parse_args(["--job.config_file", str(REPO / "train_configs/debug_cpu.toml"), *overrides])
-
-
-def test_rollout_data_section_defaults_and_docstrings():
-    cfg = parse()
-    assert (cfg.rollout_data.format, cfg.rollout_data.on_error, cfg.rollout_data.chat_template) == ("auto", "raise", "")
-    lines = (REPO / "plugin/config.py").read_text().splitlines()
-    for f in dataclasses.fields(grpo_config.RolloutData):
-        assert f.default is not dataclasses.MISSING, f.name
-        i = next(i for i, l in enumerate(lines) if l.strip().startswith(f"{f.name}:"))
-        assert lines[i + 1].strip().startswith('"""'), f.name
-
-
-@pytest.mark.parametrize(
-    "overrides, message",
-    [
-        (["--rollout_data.format", "csv"], r"\[rollout_data\] format = 'csv' is not one of"),
-        (["--rollout_data.on_error", "ignore"], r"\[rollout_data\] on_error = 'ignore' is not one of"),
-        (["--rollout_data.chat_template", "User: {question}"], r"\[rollout_data\] chat_template = .* one field is \{prompt\}"),
-        (["--rollout_data.chat_template", "no field"], r"\[rollout_data\] chat_template"),
-        (["--rollout_data.chat_template", "{prompt} }"], r"\[rollout_data\] chat_template"),
-    ],
-)
-def test_bad_rollout_data_values_name_the_key(overrides, message):
-    with pytest.raises(ValueError, match=message):
-        grpo_config.validate(parse(*overrides))
-
-
 def test_builder_skips_and_exposes_the_count(tmp_path, tokenizer):
     rows = [flat(g, float(i % 2)) for g in range(8) for i in range(4)]
     rows[5] = {**rows[5], "reward": math.inf}
     path = write(tmp_path / "r.jsonl", rows)
     with pytest.raises(RolloutError, match=r"r.jsonl:6: field 'reward' is inf"):
-        build_rollout_dataloader(1, 0, tokenizer, parse("--training.dataset_path", path))
-    loader = build_rollout_dataloader(1, 0, tokenizer, parse("--training.dataset_path", path, "--rollout_data.on_error",
+        build_rollout_dataloader(1, 0, tokenizer, parse_config("--training.dataset_path", path))
+    loader = build_rollout_dataloader(1, 0, tokenizer, parse_config("--training.dataset_path", path, "--rollout_data.on_error",
                                                              "skip", "--training.local_batch_size", "8"))
     assert loader.dataset.index.num_groups == 7
     assert GRPOStats().reduce(None, torch.device("cpu"))["grpo/skipped_rows"] == 4
