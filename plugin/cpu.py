@@ -7,7 +7,9 @@ from types import SimpleNamespace
 
 import torch
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import RowwiseParallel
+from torchtitan.models.attention import ScaledDotProductAttentionWrapper
 
 # Modules that copied `device_type` / `device_module` from torchtitan.tools.utils by value.
 _DEVICE_MODULES = (
@@ -107,6 +109,21 @@ def _rowwise_output_sync(output_layouts, use_local_output, mod, outputs, device_
     return outputs.to_local() if use_local_output else outputs
 
 
+_sdpa_forward = ScaledDotProductAttentionWrapper.forward
+
+
+def _sdpa_on_local_heads(self, q, k, v, **kwargs):
+    """SDPA on each rank's own heads when TP hands it head-sharded DTensors (qwen3's TP plan)."""
+    if not isinstance(q, DTensor):
+        return _sdpa_forward(self, q, k, v, **kwargs)
+    heads = (Shard(1),)
+    if not (q.placements == k.placements == v.placements == heads):
+        raise NotImplementedError(f"SDPA on CPU with DTensor placements {q.placements}, {k.placements}, {v.placements}")
+    # attention never mixes heads, so the local heads' result is this rank's shard of the output
+    out = _sdpa_forward(self, q.to_local(), k.to_local(), v.to_local(), **kwargs)
+    return DTensor.from_local(out, q.device_mesh, heads, run_check=False)
+
+
 def activate() -> bool:
     """Point torchtitan at the CPU when no accelerator is present; True if patched."""
     global _active
@@ -127,6 +144,10 @@ def activate() -> bool:
     # The async output collective of compiled TP blocks breaks backward on CPU
     # ("'Tensor' object has no attribute '_local_tensor'").
     RowwiseParallel._prepare_output_fn = staticmethod(_rowwise_output_sync)
+
+    # The CPU flash-attention kernel has no DTensor sharding strategy (CUDA's kernels do):
+    # "aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy".
+    ScaledDotProductAttentionWrapper.forward = _sdpa_on_local_heads
 
     _active = True
     return True

@@ -31,22 +31,27 @@ from .metrics import GRPOStats
 from .rollouts import Completion, Encoder, RolloutError, RolloutIndex, index_rollouts
 
 
-@dataclass
 class Rollouts:
-    """Per-completion values that travel with a batch to the loss.
+    """Per-completion values that travel with a batch to the loss, in full precision.
 
-    Deliberately not a tensor, dict or other pytree: FSDP's mixed-precision policy casts every
-    floating-point forward input to the param dtype, which would round advantages to bf16.
+    Deliberately a plain class, not a tensor, dict, tuple or dataclass: FSDP2's mixed-precision
+    policy casts the floating-point tensors of every forward input to the param dtype, and
+    `_apply_to_tensors` (torch/distributed/utils.py) recurses into those containers, dataclasses
+    included, so bf16 params would round advantages, loss weights and behaviour log-probs.
     """
 
-    advantages: torch.Tensor  # [B] fp32
-    rewards: torch.Tensor  # [B] fp32
-    loss_weights: torch.Tensor  # [B] fp32, see loss_weights()
-    old_logprobs: torch.Tensor | None = None  # [B, T] behaviour log-probs aligned with labels, NaN where unknown
+    __slots__ = ("advantages", "rewards", "loss_weights", "old_logprobs")
+
+    def __init__(self, advantages: torch.Tensor, rewards: torch.Tensor, loss_weights: torch.Tensor,
+                 old_logprobs: torch.Tensor | None = None):
+        self.advantages = advantages  # [B] fp32
+        self.rewards = rewards  # [B] fp32
+        self.loss_weights = loss_weights  # [B] fp32, see loss_weights()
+        self.old_logprobs = old_logprobs  # [B, T] behaviour log-probs aligned with labels, NaN where unknown
 
     def to(self, device: torch.device) -> "Rollouts":
         move = lambda t: t.to(device) if t is not None else None  # noqa: E731
-        return Rollouts(*(move(t) for t in (self.advantages, self.rewards, self.loss_weights, self.old_logprobs)))
+        return Rollouts(*(move(getattr(self, name)) for name in self.__slots__))
 
 
 def advantages(rewards: torch.Tensor, group_size: int, norm: str, eps: float) -> torch.Tensor:

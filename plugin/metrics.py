@@ -41,6 +41,12 @@ def reset_memory_peak(device: torch.device) -> None:
         cpu.reset_peak_rss()
 
 
+def device_peaks(device: torch.device) -> tuple[int, int]:
+    """The (active, reserved) byte peaks that torchtitan's memory monitor reads, since their last reset."""
+    stats = torch.cuda.memory_stats(device) if device.type == "cuda" else cpu.device_module.memory_stats()
+    return stats.get("active_bytes.all.peak", 0), stats.get("reserved_bytes.all.peak", 0)
+
+
 class GRPOStats:
     """Running sums since the last log, filled by the model (reference pass) and the loss (tokens)."""
 
@@ -49,6 +55,9 @@ class GRPOStats:
     skipped_rows = 0
 
     def __init__(self):
+        # the device's (active, reserved) peaks before each reference pass reset them, see
+        # PeakKeepingMemoryMonitor, which clears them when torchtitan resets the peaks at log time
+        self.device_peaks = (0, 0)
         self.reset()
 
     def reset(self) -> None:
@@ -75,6 +84,8 @@ class GRPOStats:
     @contextmanager
     def reference_pass(self, device: torch.device):
         """Time the reference scoring pass and record its peak memory (absolute and growth)."""
+        # the reset below would hide the step's peak so far from torchtitan's memory/max_* tags
+        self.device_peaks = tuple(map(max, self.device_peaks, device_peaks(device)))
         reset_memory_peak(device)
         start_mem = memory_now_bytes(device)
         start = time.perf_counter()
@@ -119,8 +130,44 @@ class GRPOStats:
         return out
 
 
+class PeakKeepingMemoryMonitor:
+    """torchtitan's device memory monitor, with the peaks that reference passes reset folded back in."""
+
+    def __init__(self, monitor, processor: MetricsProcessor):
+        self._monitor, self._processor = monitor, processor
+
+    def __getattr__(self, name):
+        return getattr(self._monitor, name)
+
+    def _stats(self):
+        # the trainer sets the processor's model_parts after building it
+        parts = self._processor.model_parts
+        return getattr(parts[0], "grpo_stats", None) if parts else None
+
+    def get_peak_stats(self):
+        mem = self._monitor.get_peak_stats()
+        stats = self._stats()
+        if stats is None:
+            return mem
+        gib = 1 / _GIB
+        active = max(mem.max_active_gib, stats.device_peaks[0] * gib)
+        reserved = max(mem.max_reserved_gib, stats.device_peaks[1] * gib)
+        pct = 100 / self._monitor.device_capacity_gib
+        return mem._replace(max_active_gib=active, max_active_pct=active * pct,
+                            max_reserved_gib=reserved, max_reserved_pct=reserved * pct)
+
+    def reset_peak_stats(self):
+        self._monitor.reset_peak_stats()
+        if (stats := self._stats()) is not None:
+            stats.device_peaks = (0, 0)
+
+
 class GRPOMetricsProcessor(MetricsProcessor):
     """torchtitan's processor plus the grpo/* metrics, so they land in the same TensorBoard run."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.device_memory_monitor = PeakKeepingMemoryMonitor(self.device_memory_monitor, self)
 
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
         stats = getattr(self.model_parts[0], "grpo_stats", None) if self.model_parts else None

@@ -22,8 +22,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.models.llama3.infra.parallelize import disable_fsdp_gradient_division
 from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.logging import logger
 
@@ -54,6 +56,7 @@ class ScoringConfig:
     seq_shards: int = 1  # ranks the trunk output is sequence-sharded over (TP degree)
     compile: bool = False
     entropy_grad: bool = False  # the entropy bonus needs its gradient
+    head_reshard_after_forward: bool = False  # the FSDP policy of the head's group, see head_comms_once
 
 
 @dataclass
@@ -81,6 +84,7 @@ def _grpo_forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None
         # the offload's transfers count toward the pass's time and peak memory
         with torch.no_grad(), self.grpo_stats.reference_pass(tokens.device), reference_on_device(self, tokens.device):
             ref_logprobs = self.reference(tokens, labels=labels, **kwargs).logprobs
+            end_forward_only_iteration(self.reference)
     logprobs, entropy = self.score(tokens, labels, **kwargs)
     if rollouts is None:  # the reference's own call: only log-probs are asked for
         return PolicyOutput(logprobs, entropy, None, None, None, None, None, None)
@@ -88,6 +92,27 @@ def _grpo_forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None
         logprobs, entropy, ref_logprobs, rollouts.old_logprobs, rollouts.advantages, rollouts.rewards,
         rollouts.loss_weights, self.grpo_stats,
     )
+
+
+def end_forward_only_iteration(module: nn.Module) -> None:
+    """Reset an FSDP root's per-iteration records after a forward that no backward follows.
+
+    FSDP2 appends every group's forward to a post-forward order list that only the root's
+    post-backward callback clears; for the reference, which never runs backward, it would grow
+    by one entry per group per pass.
+    """
+    if not isinstance(module, FSDPModule):
+        return
+    if hasattr(module, "reset_iter_state"):  # torch >= 2.13: also reshards and resets the training states
+        module.reset_iter_state()
+        return
+    state = module._get_fsdp_state()
+    state._comm_ctx.post_forward_order.clear()
+    for other in state._state_ctx.all_states:
+        # torch < 2.13 has one group per state (`_fsdp_param_group`)
+        for group in getattr(other, "_fsdp_param_groups", None) or [other._fsdp_param_group]:
+            if group is not None:
+                group._post_forward_indices.clear()
 
 
 def _hidden_states(self, tokens: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -104,16 +129,77 @@ def _hidden_states(self, tokens: torch.Tensor, **kwargs) -> torch.Tensor:
 def _score(self, tokens: torch.Tensor, labels: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, T] log-probs of `labels` and entropies under this model."""
     cfg = self.scoring
-    return chunked_logprobs(
-        self._hidden_states(tokens, **kwargs),
-        labels,
-        lambda h: self.output(self.norm(h)),
-        temperature=cfg.temperature,
-        chunk_size=cfg.chunk_size,
-        seq_shards=cfg.seq_shards,
-        compiled=cfg.compile,
-        entropy_grad=cfg.entropy_grad,
-    )
+    hidden = self._hidden_states(tokens, **kwargs)
+    with head_comms_once(self, chunked=cfg.chunk_size > 0) as head:
+        return chunked_logprobs(
+            hidden,
+            labels,
+            head,
+            temperature=cfg.temperature,
+            chunk_size=cfg.chunk_size,
+            seq_shards=cfg.seq_shards,
+            compiled=cfg.compile,
+            entropy_grad=cfg.entropy_grad,
+        )
+
+
+class _HeadSyncOnBackward(torch.autograd.Function):
+    """Identity on the first chunk's logits whose backward turns the head's gradient sync back on.
+
+    It runs before that chunk's head backward, so before the chunk's FSDP post-backward, which
+    is the last one of the head's (chunks run backward last to first): that post-backward
+    reduce-scatters the gradient of all chunks at once. In any other order each later
+    post-backward still reduce-scatters, so gradients are never left unreduced.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, group):
+        ctx.group = group
+        return logits.view_as(logits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.group.set_requires_gradient_sync(True, recurse=False)
+        ctx.group.set_reshard_after_backward(True, recurse=False)
+        return grad, None
+
+
+@contextmanager
+def head_comms_once(model: nn.Module, chunked: bool):
+    """The head (final norm + output layer) to score chunks with, all-gathered and reduce-scattered once.
+
+    torchtitan gives [norm, output] (with tied weights also the embedding) one FSDP group.
+    Called once per chunk, the group would reshard after every chunk's forward (the
+    reference) or post-backward (the policy), and all-gather again for the next chunk's
+    forward or recompute, with one reduce-scatter per chunk: here it stays gathered over the
+    chunks, and the chunks' gradients are reduce-scattered together.
+    """
+    group = model.output if isinstance(model.output, FSDPModule) else None
+    if group is None or not chunked:
+        yield lambda h: model.output(model.norm(h))
+        return
+    first = True
+
+    def head(h: torch.Tensor) -> torch.Tensor:
+        nonlocal first
+        logits = model.output(model.norm(h))
+        if first and torch.is_grad_enabled():
+            logits = _HeadSyncOnBackward.apply(logits, group)
+        first = False
+        return logits
+
+    reshard_after_forward = model.scoring.head_reshard_after_forward
+    group.set_reshard_after_forward(False, recurse=False)
+    if torch.is_grad_enabled():
+        # until the first chunk's backward: accumulate unsharded, keep the head gathered
+        group.set_requires_gradient_sync(False, recurse=False)
+        group.set_reshard_after_backward(False, recurse=False)
+    try:
+        yield head
+    finally:
+        group.set_reshard_after_forward(reshard_after_forward, recurse=False)
+        if reshard_after_forward and not torch.is_grad_enabled():
+            group.reshard()
 
 
 @torch.no_grad()
@@ -317,7 +403,7 @@ def build_grpo_parallelize_fn(base_parallelize: Callable) -> Callable:
         reference = None
         if job_config.grpo.beta > 0:
             reference = copy.deepcopy(model)  # still on meta: no memory yet
-            reference = base_parallelize(reference, parallel_dims, job_config)
+            reference = parallelize_model(base_parallelize, reference, parallel_dims, job_config)
             reference.requires_grad_(False)
             if isinstance(reference, FSDPModule):
                 # no backward follows its forward: free every all-gathered weight right away
@@ -328,7 +414,7 @@ def build_grpo_parallelize_fn(base_parallelize: Callable) -> Callable:
         else:
             logger.info("[grpo] beta = 0: no reference model is built, loaded or run; [reference_model] has no effect")
 
-        model = base_parallelize(model, parallel_dims, job_config)
+        model = parallelize_model(base_parallelize, model, parallel_dims, job_config)
         cpu.prepare_parallelized(model)
 
         seq_shards = parallel_dims.tp if parallel_dims.tp_enabled else 1
@@ -337,10 +423,14 @@ def build_grpo_parallelize_fn(base_parallelize: Callable) -> Callable:
             chunk_size=job_config.grpo.logprob_chunk_size,
             seq_shards=seq_shards,
         )
-        model.scoring = ScoringConfig(compile=policy_compiled, entropy_grad=job_config.grpo.entropy_coef > 0, **common)
+        model.scoring = ScoringConfig(
+            compile=policy_compiled, entropy_grad=job_config.grpo.entropy_coef > 0,
+            # torchtitan's FSDP policy for the last group: resharded after forward only with "always"
+            head_reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward == "always", **common,
+        )
         model.grpo_stats = GRPOStats()
         if reference is not None:
-            reference.scoring = ScoringConfig(compile=ref_compiled, **common)
+            reference.scoring = ScoringConfig(compile=ref_compiled, head_reshard_after_forward=True, **common)
             model.reference_cfg = build_reference_config(model, job_config)
             # a plain attribute, not a submodule: invisible to parameters(), state_dict(), FSDP's root
             model.__dict__["reference"] = reference
@@ -349,6 +439,66 @@ def build_grpo_parallelize_fn(base_parallelize: Callable) -> Callable:
         return model
 
     return parallelize_grpo
+
+
+class _WithoutDataParallel:
+    """`parallel_dims` as torchtitan's parallelize function sees it when FSDP is applied by `fully_shard_tied`."""
+
+    fsdp_enabled = dp_replicate_enabled = False
+
+    def __init__(self, parallel_dims):
+        self._parallel_dims = parallel_dims
+
+    def __getattr__(self, name):
+        return getattr(self._parallel_dims, name)
+
+
+def ties_weights(model: nn.Module) -> bool:
+    """Whether the output layer shares the embedding's weight (qwen3's 0.6B-4B and debug flavors)."""
+    return bool(getattr(model.model_args, "enable_weight_tying", False))
+
+
+def parallelize_model(base_parallelize: Callable, model: nn.Module, parallel_dims, job_config) -> nn.Module:
+    """torchtitan's parallelize function, with tied embedding and output weights kept one parameter.
+
+    TP gives the embedding and the output layer a DTensor parameter each; both are Shard(0) of
+    the same [V, D] weight, so they are tied again before FSDP. torchtitan's FSDP wrapping puts
+    the two in different groups, which FSDP2 rejects for a shared parameter ("use
+    fully_shard([module_a, module_b])"): with tied weights FSDP is applied by fully_shard_tied.
+    """
+    if not ties_weights(model):
+        return base_parallelize(model, parallel_dims, job_config)
+    dp = parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled
+    model = base_parallelize(model, _WithoutDataParallel(parallel_dims) if dp else parallel_dims, job_config)
+    model.output.weight = model.tok_embeddings.weight
+    if dp:
+        fully_shard_tied(model, parallel_dims, job_config)
+    return model
+
+
+def fully_shard_tied(model: nn.Module, parallel_dims, job_config) -> None:
+    """torchtitan's FSDP/HSDP wrapping of a dense model (llama4's apply_fsdp), the embedding joining the head's group."""
+    if not parallel_dims.fsdp_enabled:
+        raise ValueError(
+            "[parallelism] data_parallel_replicate_degree > 1 without data_parallel_shard_degree > 1 (DDP) is not "
+            "supported with tied embedding and output weights: use data_parallel_shard_degree"
+        )
+    training, policy = job_config.training, job_config.parallelism.fsdp_reshard_after_forward
+    mesh = parallel_dims.get_mesh(["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"])
+    mp = MixedPrecisionPolicy(
+        param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
+        reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
+    )
+    config = dict(mesh=mesh, mp_policy=mp)
+    if training.enable_cpu_offload:
+        config["offload_policy"] = CPUOffloadPolicy()
+    for block in model.layers.values():
+        fully_shard(block, **config, reshard_after_forward=policy != "never")
+    # one group for the shared weight; like torchtitan's head group, kept gathered after forward by default
+    fully_shard([model.tok_embeddings, model.norm, model.output], **config, reshard_after_forward=policy == "always")
+    fully_shard(model, **config)
+    disable_fsdp_gradient_division(model)
+    logger.info("Applied FSDP with the tied embedding and output weights in one group")
 
 
 def build_reference_config(model: nn.Module, job_config) -> ReferenceConfig:

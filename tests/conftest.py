@@ -95,19 +95,31 @@ def read_checkpoint(path: Path) -> dict:
     return torch.load(out, weights_only=False)
 
 
-@pytest.fixture(scope="session")
-def seed_checkpoint(tmp_path_factory) -> Path:
-    """torchtitan's seed checkpoint of the debug model: every end-to-end run starts from these weights."""
-    dump = tmp_path_factory.mktemp("seed")
+def create_seed_checkpoint(tmp_path_factory, name: str, *overrides: str) -> Path:
+    """torchtitan's seed checkpoint (1 rank) of the bundled config's model, or of the one `overrides` name."""
+    dump = tmp_path_factory.mktemp(name)
     check(torchrun(1, CONFIG, "--job.dump_folder", str(dump), "--checkpoint.enable",
-                   "--checkpoint.create_seed_checkpoint", "--parallelism.tensor_parallel_degree", "1"))
+                   "--checkpoint.create_seed_checkpoint", "--parallelism.tensor_parallel_degree", "1", *overrides))
     return dump / "checkpoint" / "step-0"
 
 
-def train(tmp_path_factory, seed: Path, name: str, nproc: int, *extra: str, steps: int = 3, env=None) -> Path:
-    """A run of the bundled config from the seed weights, with a full checkpoint at the last step."""
+@pytest.fixture(scope="session")
+def seed_checkpoint(tmp_path_factory) -> Path:
+    """The llama3 debug model's seed checkpoint: every llama3 end-to-end run starts from these weights."""
+    return create_seed_checkpoint(tmp_path_factory, "seed")
+
+
+@pytest.fixture(scope="session")
+def qwen3_seed_checkpoint(tmp_path_factory) -> Path:
+    """The same for qwen3's debug model (tied embedding and output weights)."""
+    return create_seed_checkpoint(tmp_path_factory, "seed_qwen3", "--model.name", "grpo_qwen3")
+
+
+def train(tmp_path_factory, seed: Path, name: str, nproc: int, *extra: str, steps: int = 3, env=None,
+          config: str = CONFIG) -> Path:
+    """A run of a bundled config from the seed weights, with a full checkpoint at the last step."""
     dump = tmp_path_factory.mktemp(name)
-    check(torchrun(nproc, CONFIG, "--job.dump_folder", str(dump), "--training.steps", str(steps),
+    check(torchrun(nproc, config, "--job.dump_folder", str(dump), "--training.steps", str(steps),
                    "--checkpoint.enable", "--checkpoint.initial_load_path", str(seed),
                    "--checkpoint.no-last-save-model-only", "--checkpoint.interval", "1000", *extra, env=env))
     return dump

@@ -127,3 +127,30 @@ def test_rowwise_output_redistribute_is_blocking(mesh, monkeypatch):
     out = RowwiseParallel._prepare_output_fn((Shard(1),), True, None, partial, mesh)
     assert len(calls) == 1 and not calls[0].get("async_op", False)
     assert type(out) is torch.Tensor and out.shape == (2, 4, 8)
+
+
+def test_reference_pass_keeps_the_step_peak_for_torchtitans_memory_tags():
+    """The reference pass resets the peak to measure itself; memory/max_* must still see the step's peak."""
+    from types import SimpleNamespace
+
+    from torchtitan.components.metrics import DeviceMemoryMonitor
+
+    from plugin.metrics import GRPOStats, PeakKeepingMemoryMonitor
+
+    if not plugin.cpu.reset_peak_rss():
+        pytest.skip("the kernel refuses to reset the peak RSS")
+    stats = GRPOStats()
+    monitor = PeakKeepingMemoryMonitor(DeviceMemoryMonitor("cpu"), SimpleNamespace(model_parts=[SimpleNamespace(grpo_stats=stats)]))
+    monitor.reset_peak_stats()
+    x = torch.ones(50 * MB, dtype=torch.float32)  # an earlier microbatch's policy pass: 200 MB
+    policy_peak = plugin.cpu.peak_rss_bytes()
+    del x
+    with stats.reference_pass(torch.device("cpu")):  # the next microbatch's reference pass
+        pass
+    assert plugin.cpu.peak_rss_bytes() <= policy_peak - 150 * MB  # the counter itself was reset
+    # VmHWM is the kernel's high-water mark as of its last update: it may read below an earlier VmRSS by pages
+    assert monitor.get_peak_stats().max_active_gib * 1024**3 >= policy_peak - MB
+    assert monitor.get_peak_stats().max_reserved_gib * 1024**3 >= policy_peak - MB
+    monitor.reset_peak_stats()  # torchtitan's, at log time: the next step starts afresh
+    assert stats.device_peaks == (0, 0)
+    assert monitor.get_peak_stats().max_active_gib * 1024**3 <= policy_peak - 150 * MB
