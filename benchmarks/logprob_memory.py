@@ -14,6 +14,9 @@ Simplifications:
    starts (made by the warm-up, zeroed in place), as in a step that holds them; growth counts
    the transients only.
 
+A measurement that runs out of memory (or fails otherwise, or runs past its time) is recorded
+with that status instead of numbers, and the run goes on to the next one.
+
 Usage: python benchmarks/logprob_memory.py [--sweep-seq | --sweep-chunk] [--help]; see benchmarks/README.md.
 """
 
@@ -23,7 +26,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from job_status import OK, OOM, OOM_EXIT, SIMULATE_ENV, SKIPPED, TIMEOUT, classify, fake_oom, read_reports, run_job, \
+    simulated_oom, write_report
 
 GiB = 2**30
 
@@ -96,7 +100,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--default-malloc", action="store_true",
                    help="CPU: keep glibc's dynamic mmap threshold (freed buffers may stay resident)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per measurement")
+    p.add_argument("--time-budget", type=float, default=0,
+                   help="seconds for the whole run (0: no limit); measurements left when it is spent are "
+                        "recorded as skipped, one still running as timeout")
     p.add_argument("--worker", metavar="JSON", help=argparse.SUPPRESS)  # set by the launcher
+    # for tests: VARIANT[:PASS][:kill],... fails that job's pass as an OOM would
+    p.add_argument("--simulate-oom", default=os.environ.get(SIMULATE_ENV), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.sweep_seq and args.sweep_chunk:
         p.error("--sweep-seq and --sweep-chunk are exclusive")
@@ -204,7 +213,11 @@ def worker(args) -> None:
     chunk = args.chunk if variant.chunked else 0
     score_head = (lambda h: head(h).full_tensor()) if variant.gather else head
 
+    fake = simulated_oom(args.simulate_oom, args.variant_list[0], pass_) if rank == world - 1 else None
+
     def run():
+        if fake:
+            fake_oom(fake, f"{args.variant_list[0]}/{pass_}")
         # loss_parallel's backward must run inside the context too
         with nullcontext() if variant.gather else loss_parallel(), torch.set_grad_enabled(policy):
             logprobs, entropy = chunked_logprobs(
@@ -254,9 +267,38 @@ def worker(args) -> None:
     dist.destroy_process_group()
 
 
-def measure(args, variant: str, pass_: str, seq: int, chunk: int, workdir: Path) -> dict:
-    """Run one (variant, pass) at sequence length `seq` in a fresh torchrun job; its result row."""
+def worker_main(args) -> None:
+    """A rank that fails writes its report next to the result; one out of memory exits with OOM_EXIT."""
+    try:
+        worker(args)
+    except BaseException as e:
+        if write_report(f"{args.worker}.rank{os.environ.get('RANK', 0)}", e):
+            print(f"rank {os.environ.get('RANK', 0)}: out of memory: {e}", file=sys.stderr, flush=True)
+            os._exit(OOM_EXIT)  # a clean exit could hang in the process group's teardown
+        raise
+
+
+def measure(args, variant: str, pass_: str, seq: int, chunk: int, workdir: Path, time_left: float | None) -> dict:
+    """Run one (variant, pass) at sequence length `seq` in a fresh torchrun job; its result row.
+
+    `time_left`: seconds of --time-budget left (None: no budget). A job that fails has its status
+    and a detail in the row, and no figures.
+    """
     result = workdir / f"{variant}_{pass_}_{seq}_{chunk}.json"
+    # this rank's vocab shard of the logits in bf16: B * T * ceil(V / TP) * 2 bytes
+    shard = args.batch * seq * -(-args.vocab // args.tp) * 2
+    v = VARIANTS[variant]
+    row = dict(
+        variant=variant, pass_=pass_, status=OK, device=args.device, backend="", batch=args.batch, seq=seq,
+        vocab=args.vocab, dim=args.dim, tp=args.tp, dtype=args.dtype, chunk=chunk if v.chunked else 0,
+        compiled=v.compiled, entropy_bonus=args.entropy_bonus, repeats=args.repeats,
+        before_gib="", peak_gib="", growth_gib="", logits_shard_gib=shard / GiB, growth_vs_shard="", time_s="",
+        cpu_s="", wall_s=0.0, logprobs="", detail="",
+    )
+    label = f"  {variant:22s} {pass_:9s} T={seq:<5d} chunk={row['chunk']:<5d}"
+    if time_left is not None and time_left <= 0:
+        print(f"{label} skipped: --time-budget spent", file=sys.stderr, flush=True)
+        return dict(row, status=SKIPPED, detail="--time-budget spent")
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.tp}",
         __file__, "--worker", str(result), "--device", args.device,
@@ -265,6 +307,8 @@ def measure(args, variant: str, pass_: str, seq: int, chunk: int, workdir: Path)
         "--repeats", str(args.repeats), "--variants", variant, "--passes", pass_,
         "--temperature", str(args.temperature), "--entropy-bonus", str(args.entropy_bonus),
     ]
+    if args.simulate_oom:
+        cmd += ["--simulate-oom", args.simulate_oom]
     env = dict(os.environ)
     repo = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))
@@ -273,40 +317,48 @@ def measure(args, variant: str, pass_: str, seq: int, chunk: int, workdir: Path)
     if args.device == "cpu" and not args.default_malloc:
         env.update(MALLOC_ENV)
     start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-    if proc.returncode != 0 or not result.exists():
-        sys.stderr.write(proc.stdout[-5000:] + proc.stderr[-10000:])
-        raise RuntimeError(f"{variant}/{pass_} at T={seq} chunk={chunk} failed (exit {proc.returncode})")
+    timeout = args.timeout if time_left is None else min(args.timeout, time_left)
+    returncode, output = run_job(cmd, env=env, timeout=timeout)
+    reports = read_reports(f"{result}.rank{r}" for r in range(args.tp))
+    status, detail = classify(returncode, output, reports)
+    if status == TIMEOUT:
+        detail = f"ran past {timeout:.0f} s"
+    if status == OK and not result.exists():
+        status, detail = "error: no result written", "no result written"
+    row["wall_s"] = time.perf_counter() - start
+    if status != OK:
+        if status != OOM:  # an OOM is a result; anything else needs its log to be understood
+            sys.stderr.write(output[-8000:])
+        print(f"{label} {status}{f' ({detail})' if status == OOM and detail else ''}  [{row['wall_s']:.0f} s]",
+              file=sys.stderr, flush=True)
+        return dict(row, status=status, detail=detail)
     r = json.loads(result.read_text())
-    # this rank's vocab shard of the logits in bf16: B * T * ceil(V / TP) * 2 bytes
-    shard = args.batch * seq * -(-args.vocab // args.tp) * 2
-    v = VARIANTS[variant]
-    row = dict(
-        variant=variant, pass_=pass_, device=args.device, backend=r["backend"], batch=args.batch, seq=seq,
-        vocab=args.vocab, dim=args.dim, tp=args.tp, dtype=args.dtype, chunk=chunk if v.chunked else 0,
-        compiled=v.compiled, entropy_bonus=args.entropy_bonus, repeats=args.repeats,
-        before_gib=r["before"] / GiB, peak_gib=r["peak"] / GiB, growth_gib=r["growth"] / GiB,
-        logits_shard_gib=shard / GiB, growth_vs_shard=r["growth"] / shard, time_s=r["time"],
-        cpu_s=r["cpu_time"], wall_s=time.perf_counter() - start, logprobs=str(result) + ".logprobs.pt",
+    row.update(
+        backend=r["backend"], before_gib=r["before"] / GiB, peak_gib=r["peak"] / GiB, growth_gib=r["growth"] / GiB,
+        growth_vs_shard=r["growth"] / shard, time_s=r["time"], cpu_s=r["cpu_time"],
+        logprobs=str(result) + ".logprobs.pt",
     )
-    print(f"  {variant:22s} {pass_:9s} T={seq:<5d} chunk={row['chunk']:<5d} growth {row['growth_gib'] * 1024:7.1f} MiB"
+    print(f"{label} growth {row['growth_gib'] * 1024:7.1f} MiB"
           f" ({row['growth_vs_shard']:7.1%} of shard)  time {row['time_s']:.2f} s  cpu {row['cpu_s']:.2f} s"
           f"  [{row['wall_s']:.0f} s]", file=sys.stderr, flush=True)
     return row
 
 
 def add_diffs(rows: list[dict]) -> None:
-    """max |logprobs - gather's logprobs| for the same pass and T, where gather ran."""
-    ref = {(r["pass_"], r["seq"]): torch.load(r["logprobs"]) for r in rows if r["variant"] == "gather"}
+    """max |logprobs - gather's logprobs| for the same pass and T, where both ran."""
+    ref = {(r["pass_"], r["seq"]): torch.load(r["logprobs"])
+           for r in rows if r["variant"] == "gather" and r["status"] == OK}
     for r in rows:
         base = ref.get((r["pass_"], r["seq"]))
-        r["max_abs_diff_vs_gather"] = (torch.load(r["logprobs"]) - base).abs().max().item() if base is not None else ""
+        ok = base is not None and r["status"] == OK
+        r["max_abs_diff_vs_gather"] = (torch.load(r["logprobs"]) - base).abs().max().item() if ok else ""
 
 
 COLUMNS = [
-    "variant", "pass_", "device", "backend", "batch", "seq", "vocab", "dim", "tp", "dtype", "chunk", "compiled",
+    "variant", "pass_", "status", "device", "backend", "batch", "seq", "vocab", "dim", "tp", "dtype", "chunk",
+    "compiled",
     "entropy_bonus", "repeats", "before_gib", "peak_gib", "growth_gib", "logits_shard_gib", "growth_vs_shard", "time_s", "cpu_s",
-    "max_abs_diff_vs_gather", "wall_s",
+    "max_abs_diff_vs_gather", "wall_s", "detail",
 ]
 
 
@@ -331,14 +383,22 @@ def markdown(rows: list[dict], args) -> str:
                                   "time (s)", "CPU time (s)", "max abs diff vs gather"]) + " |",
         "|" + "---:|" * len(swept) + "---|---|" + "---:|" * 6,
     ]
+    failed = []
     for r in rows:
         diff = r["max_abs_diff_vs_gather"]
         cells = [str(r["x"])] if swept else []
-        cells += [r["variant"], r["pass_"], f"{r['peak_gib']:.2f}", f"{r['growth_gib'] * 1024:.1f}",
-                  f"{r['growth_vs_shard']:.1%}", f"{r['time_s']:.2f}", f"{r['cpu_s']:.2f}",
-                  "" if diff == "" else f"{diff:.1e}"]
+        cells += [r["variant"], r["pass_"]]
+        if r["status"] == OK:
+            cells += [f"{r['peak_gib']:.2f}", f"{r['growth_gib'] * 1024:.1f}", f"{r['growth_vs_shard']:.1%}",
+                      f"{r['time_s']:.2f}", f"{r['cpu_s']:.2f}", "" if diff == "" else f"{diff:.1e}"]
+        else:
+            # the figures' cells say why there are none; the details follow the table
+            cells += [r["status"].split(":")[0]] + ["–"] * 5
+            if r["detail"]:
+                where = f" at {swept[0]}={r['x']}" if swept else ""
+                failed.append(f"- {r['variant']} / {r['pass_']}{where}: {r['status'].split(':')[0]}: {r['detail']}")
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines + ([""] + failed if failed else []))
 
 
 def _pyplot():
@@ -355,6 +415,10 @@ def plot_variants(rows: list[dict], path: Path, args) -> None:
     plt = _pyplot()
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     by = {(r["variant"], r["pass_"]): r for r in rows}
+
+    def ok(v, pass_):
+        return (v, pass_) in by and by[v, pass_]["status"] == OK
+
     # on CPU other jobs on the same cores inflate wall time; the process's CPU time does not move
     time_key = "cpu_s" if args.device == "cpu" else "time_s"
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -362,7 +426,11 @@ def plot_variants(rows: list[dict], path: Path, args) -> None:
     for i, pass_ in enumerate(args.pass_list):
         xs = [j + (i - (len(args.pass_list) - 1) / 2) * width for j in range(len(variants))]
         for ax, key in zip(axes, ("growth_gib", time_key)):
-            ax.bar(xs, [by[v, pass_][key] if (v, pass_) in by else 0 for v in variants], width, label=pass_)
+            ax.bar(xs, [by[v, pass_][key] if ok(v, pass_) else 0 for v in variants], width, label=pass_)
+            for x, v in zip(xs, variants):
+                if (v, pass_) in by and not ok(v, pass_):  # no bar: say why
+                    ax.text(x, 0, by[v, pass_]["status"].split(":")[0], rotation=90, ha="center", va="bottom",
+                            fontsize=8, color="red")
     axes[0].axhline(rows[0]["logits_shard_gib"], color="gray", ls="--", lw=1, label="bf16 logits shard")
     axes[0].set_ylabel("peak growth per rank (GiB)")
     axes[1].set_ylabel(f"median {'CPU ' if time_key == 'cpu_s' else ''}time per pass (s)")
@@ -382,10 +450,13 @@ def plot_sweep(rows: list[dict], path: Path, args) -> None:
     time_key = "cpu_s" if args.device == "cpu" else "time_s"
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for key in dict.fromkeys((r["variant"], r["pass_"]) for r in rows):
-        pts = sorted((r["x"], r["growth_gib"] * 1024, r[time_key]) for r in rows if (r["variant"], r["pass_"]) == key)
-        xs, growth, times = zip(*pts)
-        axes[0].plot(xs, growth, marker="o", label=f"{key[0]} / {key[1]}")
-        axes[1].plot(xs, times, marker="o", label=f"{key[0]} / {key[1]}")
+        mine = [r for r in rows if (r["variant"], r["pass_"]) == key]
+        pts = sorted((r["x"], r["growth_gib"] * 1024, r[time_key]) for r in mine if r["status"] == OK)
+        failed = [f"{r['status'].split(':')[0]} at {r['x']}" for r in mine if r["status"] != OK]
+        label = f"{key[0]} / {key[1]}" + (f" ({', '.join(failed)})" if failed else "")
+        xs, growth, times = zip(*pts) if pts else ((), (), ())
+        axes[0].plot(xs, growth, marker="o", label=label)
+        axes[1].plot(xs, times, marker="o", label=label)
     pts = sorted({(r["x"], r["logits_shard_gib"] * 1024) for r in rows})
     axes[0].plot(*zip(*pts), color="gray", ls="--", label="bf16 logits shard")
     axes[0].set_ylabel("peak growth per rank (MiB)")
@@ -400,10 +471,10 @@ def plot_sweep(rows: list[dict], path: Path, args) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
+def main() -> int | None:
     args = parse_args()
     if args.worker:
-        return worker(args)
+        return worker_main(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.sweep_seq:
@@ -418,14 +489,17 @@ def main() -> None:
         for seq, chunk in points:
             for variant in args.variant_list:
                 for pass_ in args.pass_list:
-                    rows.append(measure(args, variant, pass_, seq, chunk, Path(tmp)))
+                    left = args.time_budget - (time.perf_counter() - start) if args.time_budget > 0 else None
+                    rows.append(measure(args, variant, pass_, seq, chunk, Path(tmp), left))
                     rows[-1]["x"] = seq if args.sweep_seq else chunk
         add_diffs(rows)
     write_csv(rows, out / f"{stem}.csv")
     (plot_sweep if args.sweep_seq or args.sweep_chunk else plot_variants)(rows, out / f"{stem}.png", args)
     print(markdown(rows, args))
     print(f"\nwrote {out / stem}.csv and .png in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    # an OOM, a timeout or a skip is a result; an error means the benchmark itself is broken
+    return 1 if any(r["status"].startswith("error") for r in rows) else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

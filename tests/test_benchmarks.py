@@ -1,0 +1,104 @@
+"""The benchmarks survive an out-of-memory job: it is recorded as OOM and the run goes on."""
+
+import csv
+import os
+import runpy
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO
+
+# a standard-library module of the benchmarks, loaded from its file (benchmarks/ is no package)
+job_status = runpy.run_path(str(REPO / "benchmarks" / "job_status.py"))
+
+
+def test_oom_variant_is_recorded_and_the_run_goes_on(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/logprob_memory.py", "--device", "cpu", "--batch", "1", "--seq", "64",
+         "--vocab", "256", "--dim", "32", "--tp", "2", "--chunk", "32", "--repeats", "1",
+         "--variants", "loss_parallel,chunked", "--passes", "reference", "--out", str(tmp_path),
+         "--simulate-oom", "chunked"],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+    with open(tmp_path / "logprob_memory.csv") as f:
+        rows = {(r["variant"], r["pass"]): r for r in csv.DictReader(f)}
+    assert set(rows) == {("loss_parallel", "reference"), ("chunked", "reference")}
+    ok, oom = rows["loss_parallel", "reference"], rows["chunked", "reference"]
+    assert ok["status"] == "ok" and float(ok["peak_gib"]) > 0 and float(ok["time_s"]) > 0
+    assert oom["status"] == "OOM" and oom["peak_gib"] == oom["growth_gib"] == oom["time_s"] == ""
+    assert "OutOfMemoryError" in oom["detail"]
+    assert (tmp_path / "logprob_memory.png").stat().st_size > 0
+
+    table = [line for line in proc.stdout.splitlines() if line.startswith("| chunked | reference |")]
+    assert table and "| OOM |" in table[0]
+    assert "| loss_parallel | reference | OOM" not in proc.stdout
+
+
+@pytest.mark.parametrize("exc, oom", [
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"), True),
+    (MemoryError(), True),
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:116] DefaultCPUAllocator: can't allocate memory: you tried "
+                  "to allocate 93825044 bytes"), True),
+    (RuntimeError("CUDA error: out of memory"), True),
+    (RuntimeError("shape mismatch"), False),
+    (ValueError("--seq 63 must be divisible by --tp 2"), False),
+])
+def test_is_oom(exc, oom):
+    assert job_status["is_oom"](exc) is oom
+
+
+TORCHRUN_KILLED = """
+Root Cause (first observed failure):
+[0]:
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 4391)  (SIGKILL)
+  traceback : Signal 9 (SIGKILL) received by PID 4391
+"""
+
+
+def test_classify():
+    classify = job_status["classify"]
+    assert classify(0, "all fine") == ("ok", "")
+    assert classify(None, "") == ("timeout", "")
+    assert classify(1, "", [{"status": "OOM", "detail": "OutOfMemoryError: CUDA out of memory"}]) == (
+        "OOM", "OutOfMemoryError: CUDA out of memory")
+    # killed by the kernel: the process itself, a shell's 128 + 9, or a rank under torchrun
+    assert classify(-9)[0] == classify(137)[0] == classify(1, TORCHRUN_KILLED)[0] == "OOM"
+    # an OOM that no handler reported, e.g. while a rank was starting
+    assert classify(1, "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB")[0] == "OOM"
+    status, detail = classify(1, "Traceback (most recent call last):\n  ...\nValueError: bad shape\nexit\n")
+    assert status == "error: ValueError: bad shape" and detail == "ValueError: bad shape"
+    # torchrun prefixes a rank's lines, and its own ChildFailedError says less than the rank's error
+    ranks = "[rank0]: Traceback:\n[rank0]: ValueError: --seq 63\ntorch...errors.ChildFailedError: \n====\n"
+    assert classify(1, ranks)[0] == "error: ValueError: --seq 63"
+    assert classify(1, "", [{"status": "error", "detail": "KeyError: 'x'"}])[0] == "error: KeyError: 'x'"
+    assert classify(2, "")[0] == "error: exit 2"
+
+
+def test_run_job_sees_a_sigkill_as_oom_and_kills_on_timeout():
+    code = f"import os, signal; os.kill(os.getpid(), {int(signal.SIGKILL)})"
+    returncode, _ = job_status["run_job"]([sys.executable, "-c", code])
+    assert job_status["classify"](returncode)[0] == "OOM"
+    returncode, _ = job_status["run_job"]([sys.executable, "-c", "import time; time.sleep(60)"], timeout=1)
+    assert returncode is None
+
+
+def test_simulated_oom_spec():
+    spec = job_status["simulated_oom"]
+    assert spec("chunked", "chunked", "policy") == "raise"
+    assert spec("chunked:reference", "chunked", "policy") is None
+    assert spec("gather:policy:kill,chunked", "gather", "policy") == "kill"
+    assert spec("chunked_compiled", "chunked", "policy") is None
+    assert spec(None, "chunked", "policy") is None
+
+
+def test_gpu_oneshot_help():
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_oneshot.py", "--help"], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0 and "--smoke" in proc.stdout, proc.stderr
