@@ -14,6 +14,16 @@ import torch.multiprocessing as mp
 REPO = Path(__file__).resolve().parents[1]
 
 
+# tests that launch torchtitan's train.py under torchrun (seconds to minutes each); `-m "not slow"` skips them
+_TORCHRUN_FIXTURES = {"seed_checkpoint", "qwen3_seed_checkpoint"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if _TORCHRUN_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -86,7 +86,9 @@ def _fsdp_force_sum_flags(model):
         group.force_sum_reduction_for_comms
         for module in model.modules()
         if isinstance(module, torch.distributed.fsdp.FSDPModule)
-        for group in module._get_fsdp_state()._fsdp_param_groups
+        # torch < 2.13 keeps one group per state
+        for group in getattr(module._get_fsdp_state(), "_fsdp_param_groups", None)
+        or [module._get_fsdp_state()._fsdp_param_group]
     ]
 
 

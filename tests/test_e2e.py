@@ -84,6 +84,7 @@ def test_compiled_tp_shares_a_cache_and_matches_eager(runs, seed_checkpoint, tmp
     assert sorted(p.name for p in cache.iterdir() if p.name.startswith("rank_")) == ["rank_0", "rank_1"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides, message", [
     (["--grpo.kl_estimator", "k4"], "[grpo] kl_estimator = 'k4' is not one of ['k1', 'k2', 'k3']"),
     (["--training.dataset_path", "data/missing.jsonl"], "[training] dataset_path = 'data/missing.jsonl': no such rollout file"),
