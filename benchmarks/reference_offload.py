@@ -123,7 +123,7 @@ def worker(args, offload: bool) -> dict:
         device = torch.device("cpu")
     memory = Memory(device)
     model, optimizers, vocab = build(args, offload, device)
-    ref_bytes = sum(p.numel() * p.element_size() for p in model.reference.parameters())
+    ref_bytes = sum(p.numel() * p.element_size() for p in model.reference.module.parameters())
     g = torch.Generator(device=device).manual_seed(0)
     tokens = torch.randint(0, vocab, (args.batch, args.seq), device=device, generator=g)  # [B, T]
     labels = torch.randint(0, vocab, (args.batch, args.seq), device=device, generator=g)  # [B, T]

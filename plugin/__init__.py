@@ -12,7 +12,8 @@ cpu.activate()
 from .data import build_rollout_dataloader  # noqa: E402
 from .loss import build_grpo_loss  # noqa: E402
 from .metrics import build_grpo_metrics_processor  # noqa: E402
-from .model import build_grpo_optimizers_fn, build_grpo_parallelize_fn, grpo_model_cls  # noqa: E402
+from .model import build_grpo_parallelize_fn, grpo_model_cls  # noqa: E402
+from .reference import build_grpo_optimizers_fn  # noqa: E402
 
 
 def grpo_train_spec(base_name: str):
@@ -20,7 +21,7 @@ def grpo_train_spec(base_name: str):
     base = get_train_spec(base_name)
     return dataclasses.replace(
         base,
-        model_cls=grpo_model_cls(base.model_cls),
+        model_cls=grpo_model_cls(base.model_cls, base_name),
         parallelize_fn=build_grpo_parallelize_fn(base.parallelize_fn),
         pipelining_fn=None,
         build_optimizers_fn=build_grpo_optimizers_fn(base.build_optimizers_fn),

@@ -1,17 +1,17 @@
-"""The [grpo] and [reference_model] TOML sections (`[job] custom_config_module = "plugin.config"`)."""
+"""The [grpo], [reference_model] and [rollout_data] TOML sections (`[job] custom_config_module = "plugin.config"`).
+
+A section checks its own values when it is built (`__post_init__`), so a bad value stops the run
+while the config is parsed; `validate_job` checks what spans sections, once, at start-up.
+"""
 
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal, get_args
+
+from torchtitan.tools.logging import logger
 
 from . import cpu
-
-KL_ESTIMATORS = ("k1", "k2", "k3")
-LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "fixed_horizon")
-ADVANTAGE_NORMS = ("group_std", "batch_std", "none")
-ROLLOUT_FORMATS = ("auto", "jsonl", "parquet")
-ROLLOUT_ON_ERROR = ("raise", "skip")
-REFERENCE_FORMATS = ("auto", "dcp", "hf")
 
 
 @dataclass
@@ -34,16 +34,25 @@ class GRPO:
     beta: float = 0.04
     """Weight of the per-token KL penalty to the frozen reference model."""
 
-    kl_estimator: str = "k3"
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator per token: k1 = l - l_ref, k2 = (l - l_ref)^2 / 2, k3 = exp(l_ref - l) - (l_ref - l) - 1."""
 
-    loss_aggregation: str = "token_mean"
+    use_bias_correction_kl: bool = False
+    """Multiply the per-token KL by the (differentiable) ratio pi / pi_old, DeepSeek-V3.2's correction (TRL's name): k3's gradient becomes that of KL(pi || pi_ref)."""
+
+    kl_log_ratio_clamp: float = 20.0
+    """k3's l_ref - l is clamped to [-c, c] before exp (its gradient is 0 outside); 0 = no clamp."""
+
+    kl_max: float = 10.0
+    """Cap on one token's k3 value, as verl's low_var_kl (a capped token gets no KL gradient); 0 = no cap."""
+
+    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "fixed_horizon"] = "token_mean"
     """token_mean, seq_mean_token_mean, seq_mean_token_sum or fixed_horizon (Dr. GRPO: token sum / (completions * horizon))."""
 
     horizon: int = 0
-    """The max completion length that fixed_horizon divides by; 0 = [training] seq_len."""
+    """The length fixed_horizon divides by; 0 = [training] seq_len (Dr. GRPO divides by the max completion length: set it)."""
 
-    advantage_norm: str = "group_std"
+    advantage_norm: Literal["group_std", "batch_std", "none"] = "group_std"
     """Advantage = reward - group mean, divided by the group's std (group_std), the batch's std (batch_std) or nothing (none)."""
 
     advantage_eps: float = 1e-4
@@ -58,6 +67,24 @@ class GRPO:
     logprob_chunk_size: int = 0
     """Sequence positions scored per chunk through the output layer; 0 scores the whole sequence at once."""
 
+    def __post_init__(self):
+        _check_choices("grpo", self)
+        _check("grpo", "clip_low", self.clip_low, 0 <= self.clip_low < 1, "in [0, 1): the ratio's lower bound is 1 - clip_low")
+        _check("grpo", "clip_high", self.clip_high, self.clip_high >= 0, ">= 0")
+        _check("grpo", "beta", self.beta, self.beta >= 0 and math.isfinite(self.beta), "a finite number >= 0")
+        _check("grpo", "advantage_eps", self.advantage_eps, self.advantage_eps > 0, "> 0")
+        _check("grpo", "temperature", self.temperature, self.temperature > 0, "> 0")
+        _check("grpo", "group_size", self.group_size, self.group_size == 0 or self.group_size >= 2,
+               "0 (infer) or >= 2: GRPO compares completions within a group")
+        _check("grpo", "dual_clip", self.dual_clip, self.dual_clip == 0 or self.dual_clip > 1, "0 (off) or > 1")
+        _check("grpo", "behavior_ratio_cap", self.behavior_ratio_cap,
+               self.behavior_ratio_cap == 0 or self.behavior_ratio_cap >= 1, "0 (off) or >= 1")
+        _check("grpo", "entropy_coef", self.entropy_coef, self.entropy_coef >= 0, ">= 0")
+        _check("grpo", "kl_log_ratio_clamp", self.kl_log_ratio_clamp, self.kl_log_ratio_clamp >= 0, ">= 0 (0 = no clamp)")
+        _check("grpo", "kl_max", self.kl_max, self.kl_max >= 0, ">= 0 (0 = no cap)")
+        _check("grpo", "horizon", self.horizon, self.horizon >= 0, ">= 0 (0 = [training] seq_len)")
+        _check("grpo", "logprob_chunk_size", self.logprob_chunk_size, self.logprob_chunk_size >= 0, ">= 0 (0 = no chunking)")
+
 
 @dataclass
 class ReferenceModel:
@@ -67,7 +94,7 @@ class ReferenceModel:
     checkpoint_path: str = ""
     """Start the reference from this checkpoint (a DCP step folder or an HF *.safetensors folder); "" = the policy's initial weights."""
 
-    checkpoint_format: str = "auto"
+    checkpoint_format: Literal["auto", "dcp", "hf"] = "auto"
     """Format of checkpoint_path: dcp, hf, or auto (a .metadata file means dcp, *.safetensors files mean hf)."""
 
     sync_steps: int = 0
@@ -79,17 +106,39 @@ class ReferenceModel:
     offload: bool = False
     """Keep the reference's weights in CPU memory between its forward passes (no effect when training on CPU)."""
 
+    def __post_init__(self):
+        _check_choices("reference_model", self)
+        _check("reference_model", "sync_steps", self.sync_steps, self.sync_steps >= 0, ">= 0 (0 = never)")
+        if self.sync_steps > 0 and not 0 < self.sync_alpha <= 1:
+            raise ValueError(
+                f"[reference_model] sync_alpha = {self.sync_alpha} must be in (0, 1] when [reference_model] "
+                f"sync_steps = {self.sync_steps}: reference <- alpha * policy + (1 - alpha) * reference"
+            )
+
 
 @dataclass
 class RolloutData:
-    format: str = "auto"
+    format: Literal["auto", "jsonl", "parquet"] = "auto"
     """Rollout file format: jsonl, parquet, or auto (from [training] dataset_path's suffix: .jsonl/.json/.ndjson, .parquet/.pq)."""
 
-    on_error: str = "raise"
+    on_error: Literal["raise", "skip"] = "raise"
     """A bad row stops the run with an error naming file, line and field (raise), or its group is left out and counted (skip)."""
 
     chat_template: str = ""
     """Python format string a text prompt is put in before tokenizing, e.g. "User: {prompt}\\nAssistant:"; "" = the prompt as is."""
+
+    def __post_init__(self):
+        _check_choices("rollout_data", self)
+        if self.chat_template:
+            try:  # the prompt must show up in the result; another field or a stray brace raises
+                uses_prompt = self.chat_template.format(prompt="\0") != self.chat_template.format(prompt="")
+            except (KeyError, IndexError, ValueError, AttributeError):
+                uses_prompt = False
+            if not uses_prompt:
+                raise ValueError(
+                    f"[rollout_data] chat_template = {self.chat_template!r} must be a format string whose one field "
+                    "is {prompt} (write a literal brace as {{ or }})"
+                )
 
 
 @dataclass
@@ -99,9 +148,17 @@ class JobConfig:
     rollout_data: RolloutData = field(default_factory=RolloutData)
 
 
-def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"[{key.split('.')[0]}] {key.split('.')[1]} = {value!r} is not one of {list(choices)}")
+def _check(section: str, key: str, value, ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(f"[{section}] {key} = {value} must be {what}")
+
+
+def _check_choices(section: str, values) -> None:
+    """Every Literal-typed field of a section holds one of its choices (TOML values bypass tyro's check)."""
+    for name, kind in type(values).__annotations__.items():
+        choices = get_args(kind) if getattr(kind, "__origin__", None) is Literal else ()
+        if choices and getattr(values, name) not in choices:
+            raise ValueError(f"[{section}] {name} = {getattr(values, name)!r} is not one of {list(choices)}")
 
 
 def reference_checkpoint_format(path: str, fmt: str = "auto") -> str:
@@ -122,61 +179,25 @@ def reference_checkpoint_format(path: str, fmt: str = "auto") -> str:
     return fmt
 
 
-def validate(job_config) -> None:
-    """Reject a bad [grpo]/[reference_model] value or an unsupported parallelism at start-up."""
+def compiles_loss(job_config) -> bool:
+    """Whether torchtitan's [compile] asks for the loss, and so for the policy's log-probs, to be compiled."""
+    return job_config.compile.enable and "loss" in job_config.compile.components
+
+
+def validate_job(job_config) -> None:
+    """Checks that span sections, once at start-up: parallelism, chunking under TP, CPU limits, the reference checkpoint.
+
+    Resolves `[reference_model] checkpoint_format = "auto"` to the format found on disk.
+    """
     g = job_config.grpo
-    _choice("grpo.kl_estimator", g.kl_estimator, KL_ESTIMATORS)
-    _choice("grpo.loss_aggregation", g.loss_aggregation, LOSS_AGGREGATIONS)
-    _choice("grpo.advantage_norm", g.advantage_norm, ADVANTAGE_NORMS)
-    if not 0 <= g.clip_low < 1:
-        raise ValueError(f"[grpo] clip_low = {g.clip_low} must be in [0, 1): the ratio's lower bound is 1 - clip_low")
-    if not g.clip_high >= 0:
-        raise ValueError(f"[grpo] clip_high = {g.clip_high} must be >= 0")
-    if not (g.beta >= 0 and math.isfinite(g.beta)):
-        raise ValueError(f"[grpo] beta = {g.beta} must be a finite number >= 0")
-    if not g.advantage_eps > 0:
-        raise ValueError(f"[grpo] advantage_eps = {g.advantage_eps} must be > 0")
-    if not g.temperature > 0:
-        raise ValueError(f"[grpo] temperature = {g.temperature} must be > 0")
-    if g.group_size < 0 or g.group_size == 1:
-        raise ValueError(f"[grpo] group_size = {g.group_size} must be 0 (infer) or >= 2: GRPO compares completions within a group")
-    if g.dual_clip != 0 and not g.dual_clip > 1:
-        raise ValueError(f"[grpo] dual_clip = {g.dual_clip} must be 0 (off) or > 1")
-    if g.behavior_ratio_cap != 0 and not g.behavior_ratio_cap >= 1:
-        raise ValueError(f"[grpo] behavior_ratio_cap = {g.behavior_ratio_cap} must be 0 (off) or >= 1")
-    if g.entropy_coef < 0:
-        raise ValueError(f"[grpo] entropy_coef = {g.entropy_coef} must be >= 0")
-    if g.horizon < 0:
-        raise ValueError(f"[grpo] horizon = {g.horizon} must be >= 0 (0 = [training] seq_len)")
-    if g.logprob_chunk_size < 0:
-        raise ValueError(f"[grpo] logprob_chunk_size = {g.logprob_chunk_size} must be >= 0 (0 = no chunking)")
-
-    r = job_config.reference_model
-    _choice("reference_model.checkpoint_format", r.checkpoint_format, REFERENCE_FORMATS)
-    if r.checkpoint_path:
-        reference_checkpoint_format(r.checkpoint_path, r.checkpoint_format)
-    if r.sync_steps < 0:
-        raise ValueError(f"[reference_model] sync_steps = {r.sync_steps} must be >= 0 (0 = never)")
-    if r.sync_steps > 0 and not 0 < r.sync_alpha <= 1:
-        raise ValueError(
-            f"[reference_model] sync_alpha = {r.sync_alpha} must be in (0, 1] when "
-            f"[reference_model] sync_steps = {r.sync_steps}: reference <- alpha * policy + (1 - alpha) * reference"
+    if g.use_bias_correction_kl and g.kl_estimator == "k3" and g.kl_max > 0:
+        logger.warning(
+            f"[grpo] use_bias_correction_kl with kl_max = {g.kl_max}: a capped token keeps only the ratio's gradient, "
+            "which lowers its log-prob where pi << pi_ref; set [grpo] kl_max = 0 with the correction (README, 'The loss')"
         )
-
-    d = job_config.rollout_data
-    _choice("rollout_data.format", d.format, ROLLOUT_FORMATS)
-    _choice("rollout_data.on_error", d.on_error, ROLLOUT_ON_ERROR)
-    if d.chat_template:
-        try:  # the prompt must show up in the result; another field or a stray brace raises
-            uses_prompt = d.chat_template.format(prompt="\0") != d.chat_template.format(prompt="")
-        except (KeyError, IndexError, ValueError, AttributeError):
-            uses_prompt = False
-        if not uses_prompt:
-            raise ValueError(
-                f"[rollout_data] chat_template = {d.chat_template!r} must be a format string whose one field is "
-                "{prompt} (write a literal brace as {{ or }})"
-            )
-
+    r = job_config.reference_model
+    if r.checkpoint_path:
+        r.checkpoint_format = reference_checkpoint_format(r.checkpoint_path, r.checkpoint_format)
     p = job_config.parallelism
     if p.pipeline_parallel_degree > 1:
         raise ValueError(
@@ -191,14 +212,15 @@ def validate(job_config) -> None:
     tp = p.tensor_parallel_degree
     compile_model = job_config.compile.enable and "model" in job_config.compile.components
     if cpu.is_active() and tp > 1 and compile_model and job_config.activation_checkpoint.mode != "none":
-        # seen with torch 2.13 on CPU: AOTAutograd saves a DeviceMesh for backward and asserts
+        # seen with torch 2.13 on CPU, selective and full AC alike: AOTAutograd saves a DeviceMesh for backward
         raise ValueError(
             f"[activation_checkpoint] mode = {job_config.activation_checkpoint.mode!r} with [compile] "
             f"components 'model' and [parallelism] tensor_parallel_degree = {tp} fails on CPU "
             "(torch 2.13): set [activation_checkpoint] mode = \"none\""
         )
-    if tp > 1 and g.logprob_chunk_size % tp:
+    chunk = job_config.grpo.logprob_chunk_size
+    if tp > 1 and chunk % tp:
         raise ValueError(
-            f"[grpo] logprob_chunk_size = {g.logprob_chunk_size} must be a multiple of "
+            f"[grpo] logprob_chunk_size = {chunk} must be a multiple of "
             f"[parallelism] tensor_parallel_degree = {tp}: each rank scores its sequence shard in chunks"
         )

@@ -26,7 +26,7 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.logging import logger
 
-from .config import validate
+from .config import validate_job
 from .metrics import GRPOStats
 from .rollouts import Completion, Encoder, RolloutError, RolloutIndex, index_rollouts
 
@@ -202,7 +202,8 @@ def model_vocab_size(job_config, tokenizer) -> int:
 
 def build_rollout_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config, **kwargs):
     """torchtitan's dataloader builder for the rollout file named by [training] dataset_path."""
-    validate(job_config)
+    # the first of the GRPO TrainSpec's builders that torchtitan's Trainer calls
+    validate_job(job_config)
     training, grpo, cfg = job_config.training, job_config.grpo, job_config.rollout_data
     if not training.dataset_path:
         raise ValueError("[training] dataset_path is empty: set it to a rollout file (JSONL or Parquet)")

@@ -85,13 +85,14 @@ def maybe_compiled(fn, enabled: bool, backend: str = "inductor"):
     return _compiled[fn, backend]
 
 
-def _score_chunk(head, h, labels, temperature, compiled, entropy_grad):
+def _score_chunk(head, h, labels, temperature, compiled, backend, entropy_grad):
     """Log-probs and entropy of one chunk; its logits live only inside this call."""
     logits = head(h)  # [B, k, V], or a Shard(-1) DTensor under loss_parallel
-    logprobs = maybe_compiled(compute_logprobs, compiled)(logits, labels, temperature)
+    logprobs = maybe_compiled(compute_logprobs, compiled, backend)(logits, labels, temperature)
     # entropy is a logged statistic unless the loss has an entropy bonus
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = maybe_compiled(compute_entropy, compiled)(logits if entropy_grad else logits.detach(), temperature)
+        entropy = maybe_compiled(compute_entropy, compiled, backend)(logits if entropy_grad else logits.detach(),
+                                                                     temperature)
     return logprobs, entropy
 
 
@@ -104,6 +105,7 @@ def chunked_logprobs(
     chunk_size: int = 0,
     seq_shards: int = 1,
     compiled: bool = False,
+    backend: str = "inductor",
     entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, T] log-probs of `labels` and entropies from trunk states, scoring one sequence chunk at a time.
@@ -114,6 +116,7 @@ def chunked_logprobs(
         head: hidden chunk -> logits (final norm + output layer, possibly vocab-parallel).
         chunk_size: global sequence positions per chunk; 0 scores the whole sequence at once.
         seq_shards: ranks the sequence is sharded over (the TP degree under sequence parallelism).
+        compiled, backend: torch.compile the log-prob and entropy computation with this backend ([compile] backend).
         entropy_grad: let gradients flow through the entropy (for an entropy bonus).
     """
     B, T = labels.shape
@@ -132,10 +135,10 @@ def chunked_logprobs(
         h_c = hidden[:, start : start + k]
         labels_c = labels_by_shard[:, :, start : start + k].reshape(B, -1)
         if recompute:
-            lp, ent = checkpoint(_score_chunk, head, h_c, labels_c, temperature, compiled, entropy_grad,
+            lp, ent = checkpoint(_score_chunk, head, h_c, labels_c, temperature, compiled, backend, entropy_grad,
                                  use_reentrant=False)
         else:
-            lp, ent = _score_chunk(head, h_c, labels_c, temperature, compiled, entropy_grad)
+            lp, ent = _score_chunk(head, h_c, labels_c, temperature, compiled, backend, entropy_grad)
         logprobs.append(lp.view(B, S, -1))
         entropy.append(ent.view(B, S, -1))
     return torch.cat(logprobs, dim=2).view(B, T), torch.cat(entropy, dim=2).view(B, T)
@@ -144,9 +147,9 @@ def chunked_logprobs(
 def isolate_compile_cache(rank: int) -> None:
     """Give each rank its own inductor/AOTAutograd cache directory.
 
-    The AOTAutograd cache key does not include a DTensor's mesh coordinate, so with a cache
-    shared by the TP ranks one rank reuses a graph that has the other rank's vocab range baked
-    in, and log-probs come out silently wrong (../shared/notes/torchtitan-cpu.md, item 6).
+    The AOTAutograd cache key does not tell ranks apart, so with a cache shared by the TP ranks
+    one rank reuses a graph that has the other rank's vocab range baked in, and log-probs come
+    out silently wrong (pytorch/pytorch#188390; tests/test_logprobs.py shows it).
     """
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 

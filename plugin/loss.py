@@ -12,24 +12,24 @@ import torch
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.tools.logging import logger
 
-from .config import validate
+from .config import compiles_loss
 from .logprobs import maybe_compiled
 
-# log-ratio clamp for the k3 estimator: exp(20) ~ 5e8 already dwarfs any useful penalty
-KL_LOG_RATIO_CLAMP = 20.0
-# cap on one token's k3 value, as in TRL/verl: one outlier token cannot dominate the batch
-KL_MAX = 10.0
-
-
-def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token KL(pi || pi_ref) estimate from sampled-token log-probs."""
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str, *,
+               log_ratio_clamp: float, kl_max: float) -> torch.Tensor:
+    """Per-token KL(pi || pi_ref) estimate from sampled-token log-probs; k3's clamp and cap are off at 0."""
     if estimator == "k1":
         return logprobs - ref_logprobs
     if estimator == "k2":
         return 0.5 * (logprobs - ref_logprobs) ** 2
     # k3 needs pi_ref / pi (not pi / pi_ref) to be an unbiased, non-negative estimate on-policy
-    d = (ref_logprobs - logprobs).clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)
-    return (d.exp() - d - 1).clamp(max=KL_MAX)
+    d = ref_logprobs - logprobs
+    if log_ratio_clamp > 0:
+        # exp overflows fp32 past 88, and exp(20) ~ 5e8 already dwarfs any useful penalty
+        d = d.clamp(-log_ratio_clamp, log_ratio_clamp)
+    k3 = d.exp() - d - 1
+    # verl's low_var_kl cap (TRL has none): one outlier token cannot dominate the batch, but gets no KL gradient
+    return k3.clamp(max=kl_max) if kl_max > 0 else k3
 
 
 @dataclass
@@ -57,13 +57,15 @@ def grpo_token_terms(
     dual_clip: float = 0.0,
     ratio_cap: float = 0.0,
     entropy_coef: float = 0.0,
+    kl_log_ratio_clamp: float = 0.0,
+    kl_max: float = 0.0,
+    bias_correction_kl: bool = False,
 ) -> TokenTerms:
     """Per-token GRPO terms; `advantages` and `weights` are [B] (one per completion), the rest [B, T]."""
     adv = advantages.to(logprobs.dtype)[:, None]  # [B, 1]
-    ratio = torch.exp(logprobs - old_logprobs)
-    if ratio_cap > 0:
-        # truncated importance sampling against the behaviour policy
-        ratio = ratio.clamp(max=ratio_cap)
+    raw_ratio = torch.exp(logprobs - old_logprobs)
+    # truncated importance sampling against the behaviour policy
+    ratio = raw_ratio.clamp(max=ratio_cap) if ratio_cap > 0 else raw_ratio
     unclipped = ratio * adv
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * adv
     loss = -torch.minimum(unclipped, clipped)
@@ -71,8 +73,10 @@ def grpo_token_terms(
         # for A < 0 the clipped term alone is unbounded in the ratio: cap the token's loss at -c * A
         loss = torch.where(adv < 0, torch.minimum(loss, -dual_clip * adv), loss)
     if ref_logprobs is not None and beta > 0:
-        kl = kl_penalty(logprobs, ref_logprobs, kl_estimator)
-        loss = loss + beta * kl
+        kl = kl_penalty(logprobs, ref_logprobs, kl_estimator, log_ratio_clamp=kl_log_ratio_clamp, kl_max=kl_max)
+        # DeepSeek-V3.2's correction, TRL's use_bias_correction_kl: weighting by the untruncated, differentiable
+        # pi / pi_old makes the estimate unbiased for KL(pi || pi_ref) under pi_old; the metric keeps plain kl
+        loss = loss + beta * (kl * raw_ratio if bias_correction_kl else kl)
     else:
         kl = torch.zeros_like(logprobs)
     if entropy_coef > 0:
@@ -111,6 +115,9 @@ def grpo_loss(pred, labels: torch.Tensor, *, token_terms_fn, cfg) -> torch.Tenso
         dual_clip=cfg.dual_clip,
         ratio_cap=cfg.behavior_ratio_cap,
         entropy_coef=cfg.entropy_coef,
+        kl_log_ratio_clamp=cfg.kl_log_ratio_clamp,
+        kl_max=cfg.kl_max,
+        bias_correction_kl=cfg.use_bias_correction_kl,
     )
     if pred.stats is not None:
         pred.stats.record_tokens(terms, mask, pred)
@@ -120,8 +127,7 @@ def grpo_loss(pred, labels: torch.Tensor, *, token_terms_fn, cfg) -> torch.Tenso
 def build_grpo_loss(job_config, **kwargs):
     """The GRPO loss for torchtitan's TrainSpec; compiled when [compile] components has 'loss'."""
     del kwargs
-    validate(job_config)
-    compile_loss = job_config.compile.enable and "loss" in job_config.compile.components
+    compile_loss = compiles_loss(job_config)
     if compile_loss:
         logger.info("Compiling the GRPO per-token loss with torch.compile")
     terms_fn = maybe_compiled(grpo_token_terms, compile_loss, job_config.compile.backend)

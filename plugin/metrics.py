@@ -2,6 +2,7 @@
 
 import time
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -12,12 +13,9 @@ from . import cpu
 
 _GIB = 1024**3
 
-# sums reduced with SUM over the data-parallel ranks; peaks with MAX
-_SUM_KEYS = (
-    "tokens", "kl", "ratio", "clip_low", "clip_high", "entropy",
-    "seqs", "reward", "reward_sq", "adv", "adv_sq",
-    "ref_passes", "ref_time",
-)
+# sums reduced with SUM over the data-parallel ranks, the token ones kept on the device; peaks with MAX
+_DEVICE_KEYS = ("tokens", "kl", "ratio", "clip_low", "clip_high", "entropy", "reward", "reward_sq", "adv", "adv_sq")
+_HOST_KEYS = ("seqs", "ref_passes", "ref_time")
 _MAX_KEYS = ("ref_peak_mem", "ref_peak_growth")
 
 
@@ -61,25 +59,23 @@ class GRPOStats:
         self.reset()
 
     def reset(self) -> None:
-        self.sums = dict.fromkeys(_SUM_KEYS, 0.0)
+        self.sums = dict.fromkeys(_HOST_KEYS, 0.0)
         self.peaks = dict.fromkeys(_MAX_KEYS, 0.0)
+        self.device_sums = None  # [len(_DEVICE_KEYS)] float64, on the batch's device
+        self.ref_events = []  # CUDA (start, end) event pairs of reference passes, resolved in reduce()
 
     @torch.no_grad()
     def record_tokens(self, terms, mask: torch.Tensor, pred) -> None:
-        m = mask.float()
-        s = self.sums
-        s["tokens"] += m.sum().item()
-        s["kl"] += terms.kl.sum().item()
-        s["ratio"] += (terms.ratio * m).sum().item()
-        s["clip_low"] += terms.clipped_low.sum().item()
-        s["clip_high"] += terms.clipped_high.sum().item()
-        s["entropy"] += (pred.entropy * m).sum().item()
-        rewards, adv = pred.rewards.float(), pred.advantages.float()
-        s["seqs"] += rewards.numel()
-        s["reward"] += rewards.sum().item()
-        s["reward_sq"] += (rewards**2).sum().item()
-        s["adv"] += adv.sum().item()
-        s["adv_sq"] += (adv**2).sum().item()
+        """Add one microbatch's sums without a host sync: .item() would wait for the device every microbatch."""
+        total = partial(torch.sum, dtype=torch.float64)
+        rewards, adv = pred.rewards.double(), pred.advantages.double()
+        row = torch.stack([
+            total(mask), total(terms.kl), total(terms.ratio * mask), total(terms.clipped_low),
+            total(terms.clipped_high), total(pred.entropy * mask),
+            rewards.sum(), (rewards**2).sum(), adv.sum(), (adv**2).sum(),
+        ])
+        self.device_sums = row if self.device_sums is None else self.device_sums + row
+        self.sums["seqs"] += rewards.numel()
 
     @contextmanager
     def reference_pass(self, device: torch.device):
@@ -88,25 +84,39 @@ class GRPOStats:
         self.device_peaks = tuple(map(max, self.device_peaks, device_peaks(device)))
         reset_memory_peak(device)
         start_mem = memory_now_bytes(device)
+        if device.type == "cuda":
+            # events time the pass on the stream without synchronizing; reduce() reads them
+            events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            events[0].record(torch.cuda.current_stream(device))
         start = time.perf_counter()
         yield
         if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        self.sums["ref_time"] += time.perf_counter() - start
+            events[1].record(torch.cuda.current_stream(device))
+            self.ref_events.append(events)
+        else:
+            self.sums["ref_time"] += time.perf_counter() - start
         self.sums["ref_passes"] += 1
+        # the allocator's peak is a host-side counter: reading it does not synchronize
         peak = memory_peak_bytes(device)
         self.peaks["ref_peak_mem"] = max(self.peaks["ref_peak_mem"], peak / _GIB)
         self.peaks["ref_peak_growth"] = max(self.peaks["ref_peak_growth"], (peak - start_mem) / _GIB)
 
     def reduce(self, group: dist.ProcessGroup | None, device: torch.device) -> dict[str, float]:
         """Metrics over all DP ranks; `group` None means a single DP rank."""
-        sums = torch.tensor([self.sums[k] for k in _SUM_KEYS], dtype=torch.float64, device=device)
-        peaks = torch.tensor([self.peaks[k] for k in _MAX_KEYS], dtype=torch.float64, device=device)
+        if self.ref_events:
+            self.ref_events[-1][1].synchronize()  # the stream runs in order: every earlier pass is done too
+            self.sums["ref_time"] += sum(a.elapsed_time(b) for a, b in self.ref_events) / 1000
+            self.ref_events = []
+        f64 = dict(dtype=torch.float64, device=device)
+        dev = torch.zeros(len(_DEVICE_KEYS), **f64) if self.device_sums is None else self.device_sums.to(device)
+        sums = torch.cat([dev, torch.tensor([self.sums[k] for k in _HOST_KEYS], **f64)])
+        peaks = torch.tensor([self.peaks[k] for k in _MAX_KEYS], **f64)
         if group is not None:
             dist.all_reduce(sums, group=group)
             dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=group)
-        s = dict(zip(_SUM_KEYS, sums.tolist()))
-        p = dict(zip(_MAX_KEYS, peaks.tolist()))
+        values = torch.cat([sums, peaks]).tolist()  # one copy to the host per logged step
+        s = dict(zip(_DEVICE_KEYS + _HOST_KEYS, values))
+        p = dict(zip(_MAX_KEYS, values[len(s):]))
         tokens, seqs = max(s["tokens"], 1.0), max(s["seqs"], 1.0)
         reward_mean, adv_mean = s["reward"] / seqs, s["adv"] / seqs
         out = {

@@ -83,16 +83,52 @@ def check(proc) -> None:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
 
 
-def scalars(dump: Path) -> dict[str, list[float]]:
-    """TensorBoard scalars of a run's dump folder: tag -> values by step."""
+def scalars_by_step(dump: Path) -> dict[str, dict[int, float]]:
+    """TensorBoard scalars of every launch in a run's dump folder: tag -> {step: value}."""
     import glob
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    (run_dir,) = glob.glob(str(dump / "tb" / "*"))
-    acc = EventAccumulator(run_dir)
-    acc.Reload()
-    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    out: dict[str, dict[int, float]] = {}
+    for run_dir in sorted(glob.glob(str(dump / "tb" / "*"))):
+        acc = EventAccumulator(run_dir)
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            out.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
+    return out
+
+
+def scalars(dump: Path) -> dict[str, list[float]]:
+    """TensorBoard scalars of a run's dump folder: tag -> values in step order."""
+    return {tag: [v for _, v in sorted(by_step.items())] for tag, by_step in scalars_by_step(dump).items()}
+
+
+def build_model(*overrides: str, parallel_dims=None):
+    """The GRPO model of the bundled config in this process on CPU, built as torchtitan's Trainer builds it.
+
+    Returns (model, job_config, parallel_dims, train_spec); one rank unless `parallel_dims` says otherwise.
+    """
+    import copy
+
+    import torch
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    import plugin  # noqa: F401  registers the GRPO TrainSpecs
+
+    cfg = parse_config(*overrides)
+    pd = parallel_dims or ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    spec = get_train_spec(cfg.model.name)
+    model_args = copy.deepcopy(spec.model_args[cfg.model.flavor])
+    model_args.update_from_config(cfg)
+    with torch.device("meta"):
+        model = spec.model_cls(model_args)
+    model = spec.parallelize_fn(model, pd, cfg)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.init_weights()
+    return model, cfg, pd, spec
 
 
 def read_checkpoint(path: Path) -> dict:

@@ -14,7 +14,7 @@ def test_sections_merge_with_defaults():
     assert cfg.grpo.beta == 0.04 and cfg.grpo.kl_estimator == "k3"
     assert cfg.reference_model.compile is False
     assert (cfg.rollout_data.format, cfg.rollout_data.on_error, cfg.rollout_data.chat_template) == ("auto", "raise", "")
-    grpo_config.validate(cfg)
+    grpo_config.validate_job(cfg)
     cfg = parse("--grpo.beta", "0.1", "--grpo.logprob_chunk_size", "8")
     assert cfg.grpo.beta == 0.1 and cfg.grpo.logprob_chunk_size == 8
 
@@ -31,28 +31,86 @@ def test_every_field_has_a_default_and_a_docstring():
 
 
 @pytest.mark.parametrize(
+    "section, values, message",
+    [
+        ("GRPO", dict(kl_estimator="k4"), r"\[grpo\] kl_estimator = 'k4' is not one of \['k1', 'k2', 'k3'\]"),
+        ("GRPO", dict(loss_aggregation="sum"), r"\[grpo\] loss_aggregation = 'sum' is not one of"),
+        ("GRPO", dict(advantage_norm="rank"), r"\[grpo\] advantage_norm = 'rank' is not one of"),
+        ("GRPO", dict(clip_low=1.0), r"\[grpo\] clip_low = 1.0 must be in \[0, 1\)"),
+        ("GRPO", dict(clip_high=-0.1), r"\[grpo\] clip_high = -0.1 must be >= 0"),
+        ("GRPO", dict(beta=-1.0), r"\[grpo\] beta = -1.0 must be"),
+        ("GRPO", dict(temperature=0.0), r"\[grpo\] temperature = 0.0 must be > 0"),
+        ("GRPO", dict(group_size=1), r"\[grpo\] group_size = 1 must be 0"),
+        ("GRPO", dict(kl_max=-1.0), r"\[grpo\] kl_max = -1.0 must be >= 0"),
+        ("GRPO", dict(kl_log_ratio_clamp=-1.0), r"\[grpo\] kl_log_ratio_clamp = -1.0 must be >= 0"),
+        ("GRPO", dict(logprob_chunk_size=-1), r"\[grpo\] logprob_chunk_size = -1 must be >= 0"),
+        ("RolloutData", dict(format="csv"), r"\[rollout_data\] format = 'csv' is not one of"),
+        ("RolloutData", dict(on_error="ignore"), r"\[rollout_data\] on_error = 'ignore' is not one of"),
+        ("RolloutData", dict(chat_template="User: {question}"), r"\[rollout_data\] chat_template = .* one field is \{prompt\}"),
+        ("RolloutData", dict(chat_template="no field"), r"\[rollout_data\] chat_template"),
+        ("RolloutData", dict(chat_template="{prompt} }"), r"\[rollout_data\] chat_template"),
+    ],
+)
+def test_bad_values_name_the_key(section, values, message):
+    with pytest.raises(ValueError, match=message):
+        getattr(grpo_config, section)(**values)
+
+
+def test_bad_toml_value_fails_while_parsing(tmp_path):
+    """A value from the TOML file is checked when the config is built, before anything else runs."""
+    toml = (REPO / "train_configs/debug_cpu.toml").read_text().replace('kl_estimator = "k3"', 'kl_estimator = "k4"')
+    path = tmp_path / "bad.toml"
+    path.write_text(toml)
+    from torchtitan.config import ConfigManager
+
+    with pytest.raises(ValueError, match=r"\[grpo\] kl_estimator = 'k4' is not one of"):
+        ConfigManager().parse_args(["--job.config_file", str(path)])
+
+
+def test_bad_cli_value_names_the_key(capsys):
+    for args, message in (
+        (["--grpo.kl_estimator", "k4"], "invalid choice 'k4' for argument '--grpo.kl-estimator'"),
+        (["--grpo.clip_low", "1.0"], "[grpo] clip_low = 1.0 must be in [0, 1)"),
+    ):
+        with pytest.raises(SystemExit):
+            parse(*args)
+        assert message in " ".join(capsys.readouterr().err.replace("│", " ").split()), args
+
+
+def test_choices_are_listed_in_help(capsys):
+    with pytest.raises(SystemExit):
+        parse("--help")
+    out = capsys.readouterr().out
+    assert "k1,k2,k3" in out.replace(" ", "") or "{k1,k2,k3}" in out
+
+
+@pytest.mark.parametrize(
     "overrides, message",
     [
-        (["--grpo.kl_estimator", "k4"], r"\[grpo\] kl_estimator = 'k4' is not one of"),
-        (["--grpo.loss_aggregation", "sum"], r"\[grpo\] loss_aggregation = 'sum' is not one of"),
-        (["--grpo.advantage_norm", "rank"], r"\[grpo\] advantage_norm = 'rank' is not one of"),
-        (["--grpo.clip_low", "1.0"], r"\[grpo\] clip_low = 1.0 must be in \[0, 1\)"),
-        (["--grpo.clip_high", "-0.1"], r"\[grpo\] clip_high = -0.1 must be >= 0"),
-        (["--grpo.beta", "-1"], r"\[grpo\] beta = -1.0 must be"),
-        (["--grpo.temperature", "0"], r"\[grpo\] temperature = 0.0 must be > 0"),
-        (["--grpo.group_size", "1"], r"\[grpo\] group_size = 1 must be 0"),
         (["--grpo.logprob_chunk_size", "5"], r"\[grpo\] logprob_chunk_size = 5 must be a multiple of"),
         (["--parallelism.pipeline_parallel_degree", "2"], r"pipeline_parallel_degree = 2: pipeline parallelism is not supported"),
         (["--parallelism.tensor_parallel_degree", "2", "--compile.enable", "--activation_checkpoint.mode", "selective"],
          r"set \[activation_checkpoint\] mode = \"none\""),
+        (["--parallelism.tensor_parallel_degree", "2", "--compile.enable", "--activation_checkpoint.mode", "full"],
+         r"set \[activation_checkpoint\] mode = \"none\""),
         (["--parallelism.context_parallel_degree", "2"], r"context_parallel_degree = 2: context parallelism is not supported"),
-        (["--rollout_data.format", "csv"], r"\[rollout_data\] format = 'csv' is not one of"),
-        (["--rollout_data.on_error", "ignore"], r"\[rollout_data\] on_error = 'ignore' is not one of"),
-        (["--rollout_data.chat_template", "User: {question}"], r"\[rollout_data\] chat_template = .* one field is \{prompt\}"),
-        (["--rollout_data.chat_template", "no field"], r"\[rollout_data\] chat_template"),
-        (["--rollout_data.chat_template", "{prompt} }"], r"\[rollout_data\] chat_template"),
     ],
 )
-def test_bad_values_name_the_key(overrides, message):
+def test_bad_combinations_name_the_keys(overrides, message):
     with pytest.raises(ValueError, match=message):
-        grpo_config.validate(parse(*overrides))
+        grpo_config.validate_job(parse(*overrides))
+
+
+def test_validate_job_runs_once_at_start_up(monkeypatch):
+    """Only the dataloader builder, the first of the GRPO TrainSpec's builders torchtitan calls, validates."""
+    import plugin.data
+    import plugin.loss
+    import plugin.model
+
+    calls = []
+    monkeypatch.setattr(plugin.data, "validate_job", lambda cfg: calls.append(cfg))
+    for module in (plugin.loss, plugin.model):
+        assert not hasattr(module, "validate_job") and not hasattr(module, "validate")
+    cfg = parse()
+    plugin.loss.build_grpo_loss(cfg)
+    assert calls == []

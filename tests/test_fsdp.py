@@ -5,36 +5,22 @@ The model is built in each rank as torchtitan's Trainer builds it (meta init, th
 parallelize function, to_empty, init_weights), from the bundled config with FSDP=2.
 """
 
-import copy
-
 import pytest
 import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
-from conftest import parse_config, run_ranks
+from conftest import build_model, run_ranks
 
 B, T = 4, 16
 
 
 def build(*overrides):
-    import plugin  # noqa: F401  registers the GRPO TrainSpecs
     from torchtitan.distributed import ParallelDims
-    from torchtitan.protocols.train_spec import get_train_spec
 
-    cfg = parse_config("--parallelism.tensor_parallel_degree", "1", "--parallelism.data_parallel_shard_degree", "2",
-                       *overrides)
     pd = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=2)
-    spec = get_train_spec(cfg.model.name)
-    model_args = copy.deepcopy(spec.model_args[cfg.model.flavor])
-    model_args.update_from_config(cfg)
-    with torch.device("meta"):
-        model = spec.model_cls(model_args)
-    model = spec.parallelize_fn(model, pd, cfg)
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        model.init_weights()
+    model, *_ = build_model("--parallelism.tensor_parallel_degree", "1", "--parallelism.data_parallel_shard_degree",
+                            "2", *overrides, parallel_dims=pd)
     return model
 
 
@@ -117,7 +103,7 @@ def _chunked_head_comms(rank, world_size, out):
             backward = counter.take()
             per_microbatch.append((forward, backward))
             # the reference never runs backward: its FSDP root's per-iteration records must not pile up
-            assert len(model.reference._get_fsdp_state()._comm_ctx.post_forward_order) == 0
+            assert len(model.reference.module._get_fsdp_state()._comm_ctx.post_forward_order) == 0
         grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
         results[chunk] = (per_microbatch, grads)
     mp.undo()
@@ -153,7 +139,7 @@ def test_chunked_scoring_gradients_match_unchunked(chunked_head):
 
 def _tied_qwen3(rank, world_size, out):
     model = build("--model.name", "grpo_qwen3", "--grpo.beta", "0.04", "--grpo.logprob_chunk_size", "4")
-    for m in (model, model.reference):
+    for m in (model, model.reference.module):
         assert m.output.weight is m.tok_embeddings.weight
         assert isinstance(m.output, FSDPModule)
         # the embedding shares the head's group, as FSDP2 requires for a shared parameter

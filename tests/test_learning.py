@@ -2,16 +2,14 @@
 run resumed from torchtitan's checkpoint continues at the same row of the data.
 
 Both start from conftest's seed checkpoint. The learning figures come from
-benchmarks/learning_signal.py, which runs the same training and scoring and plots them.
+benchmarks/learning_signal.py, which runs the same training and scoring (plugin.example's
+held-out evaluation) and plots them.
 """
 
 import shutil
-import sys
 
-from conftest import CONFIG, REPO, check, scalars, torchrun, train
-
-sys.path.insert(0, str(REPO / "benchmarks"))
-from learning_signal import heldout_margins, load_policy  # noqa: E402
+from conftest import CONFIG, check, scalars, torchrun, train
+from plugin.example import heldout_margins, load_policy
 
 STEPS = 40  # debug_cpu.toml's own [training] steps, TP=2 on 2 ranks
 # Observed (seed 0): the held-out margin, mean over groups of mean log p(reward-1 completions)

@@ -3,12 +3,14 @@ import math
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, parse_config
 from torchtitan.config import ConfigManager
-from plugin.loss import KL_MAX, build_grpo_loss, grpo_token_terms, kl_penalty
+from plugin.loss import build_grpo_loss, grpo_token_terms, kl_penalty
 from plugin.metrics import GRPOStats
 from plugin.model import PolicyOutput
 from torchtitan.components.loss import IGNORE_INDEX
+
+KL_CLAMP, KL_MAX = 20.0, 10.0  # [grpo] kl_log_ratio_clamp and kl_max defaults, as verl's low_var_kl
 
 
 def reference_token_loss(lp, old, ref, adv, w, mask, ent, clip_low, clip_high, beta, est, dual=0.0, cap=0.0, ent_coef=0.0):
@@ -31,7 +33,7 @@ def reference_token_loss(lp, old, ref, adv, w, mask, ent, clip_low, clip_high, b
             elif est == "k2":
                 kl = 0.5 * (l - lr) ** 2
             else:
-                d = min(max(lr - l, -20.0), 20.0)
+                d = min(max(lr - l, -KL_CLAMP), KL_CLAMP)
                 kl = min(math.exp(d) - d - 1, KL_MAX)
             out[b, t] = (pg + beta * kl - ent_coef * float(ent[b, t])) * float(w[b])
     return out
@@ -61,7 +63,8 @@ def test_token_terms_match_reference(est, opts):
     clip_low, clip_high, beta = opts["clip_low"], opts["clip_high"], opts["beta"]
     dual, cap, ent_coef = opts.get("dual", 0.0), opts.get("cap", 0.0), opts.get("ent_coef", 0.0)
     terms = grpo_token_terms(lp, old, ref, adv, w, mask, ent, clip_low=clip_low, clip_high=clip_high, beta=beta,
-                             kl_estimator=est, dual_clip=dual, ratio_cap=cap, entropy_coef=ent_coef)
+                             kl_estimator=est, dual_clip=dual, ratio_cap=cap, entropy_coef=ent_coef,
+                             kl_log_ratio_clamp=KL_CLAMP, kl_max=KL_MAX)
     ref_args = (old, ref, adv, w, mask, ent, clip_low, clip_high, beta, est, dual, cap, ent_coef)
     expected = reference_token_loss(lp.detach(), *ref_args)
     torch.testing.assert_close(terms.loss.detach(), expected, rtol=1e-10, atol=1e-12)
@@ -88,7 +91,7 @@ def test_token_terms_match_reference(est, opts):
 def test_k3_is_nonnegative_zero_at_equality_and_clamped():
     lp = torch.tensor([-1.0, -2.0, -0.5, -30.0])
     ref = torch.tensor([-1.0, -0.1, -3.0, -0.0])
-    k3 = kl_penalty(lp, ref, "k3")
+    k3 = kl_penalty(lp, ref, "k3", log_ratio_clamp=KL_CLAMP, kl_max=KL_MAX)
     assert k3[0] == 0
     assert (k3 >= 0).all()
     assert k3[3] == KL_MAX  # exp(20) - 21 would be ~5e8
@@ -120,3 +123,132 @@ def test_on_policy_loss_sum_and_gradient():
     assert m["grpo/reward_std"] == pytest.approx(torch.tensor([1.0, 0.0, 0.5]).std(unbiased=False).item())
     assert m["grpo/completion_length_mean"] == pytest.approx(4.0)
     assert m["grpo/advantage_mean"] == pytest.approx(adv.mean().item())
+
+
+def torch_reference_loss(lp, old, ref, adv, w, mask, *, beta, est, ratio_cap, clamp, kl_max, correction,
+                         clip_low=0.2, clip_high=0.28):
+    """fp64 torch reference, written apart from plugin.loss: autograd through it gives the expected gradient."""
+    raw = torch.exp(lp - old)
+    r = torch.minimum(raw, torch.tensor(ratio_cap, dtype=lp.dtype)) if ratio_cap else raw
+    a = adv[:, None]
+    pg = -torch.minimum(r * a, torch.clamp(r, 1 - clip_low, 1 + clip_high) * a)
+    if est == "k1":
+        kl = lp - ref
+    elif est == "k2":
+        kl = (lp - ref) ** 2 / 2
+    else:
+        d = ref - lp
+        if clamp:
+            d = torch.where(d.abs() > clamp, d.sign() * clamp, d)  # a constant outside: zero gradient there
+        kl = torch.expm1(d) - d
+        if kl_max:
+            kl = torch.where(kl > kl_max, torch.full_like(kl, kl_max), kl)
+    if correction:
+        kl = kl * raw  # the untruncated ratio, as TRL's coef_1
+    return (pg + beta * kl) * w[:, None] * mask
+
+
+# l_ref - l per column: the clamp (20) binds at 25 and -30; the cap (10) at 3, 5 and -15 without the clamp binding
+LOG_RATIOS = [-30.0, -15.0, -5.0, -0.7, 0.0, 0.4, 1.5, 3.0, 5.0, 25.0]
+CAP_ONLY = torch.tensor([False, True, False, False, False, False, False, True, True, False])
+
+
+@pytest.mark.parametrize("est", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("correction", [False, True], ids=["plain", "corrected"])
+@pytest.mark.parametrize("clamp", [0.0, KL_CLAMP], ids=["noclamp", "clamp"])
+@pytest.mark.parametrize("kl_max", [0.0, KL_MAX], ids=["nocap", "cap"])
+def test_kl_options_values_and_gradients_match_torch_reference(est, correction, clamp, kl_max):
+    g = torch.Generator().manual_seed(1)
+    B, T = 4, len(LOG_RATIOS)
+    lp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 2 - 0.1
+    ref = lp + torch.tensor(LOG_RATIOS, dtype=torch.float64)
+    old = lp + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.5  # ratios above and below the cap
+    w = torch.rand(B, generator=g, dtype=torch.float64) + 0.5
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[-1, ::3] = False
+    opts = dict(beta=0.3, ratio_cap=1.5)
+    kl_opts = dict(kl_estimator=est, kl_log_ratio_clamp=clamp, kl_max=kl_max, bias_correction_kl=correction)
+    ref_opts = dict(est=est, clamp=clamp, kl_max=kl_max, correction=correction)
+
+    def grads(adv):
+        x, y = lp.clone().requires_grad_(), lp.clone().requires_grad_()
+        terms = grpo_token_terms(x, old, ref, adv, w, mask, torch.zeros_like(lp), clip_low=0.2, clip_high=0.28,
+                                 **opts, **kl_opts)
+        expected = torch_reference_loss(y, old, ref, adv, w, mask, **opts, **ref_opts)
+        torch.testing.assert_close(terms.loss, expected, rtol=1e-12, atol=1e-12)
+        terms.loss.sum().backward()
+        expected.sum().backward()
+        torch.testing.assert_close(x.grad, y.grad, rtol=1e-12, atol=1e-12)
+        return terms, x.grad
+
+    terms, _ = grads(torch.randn(B, generator=g, dtype=torch.float64))
+    plain = torch_reference_loss(lp, lp, ref, torch.zeros(B, dtype=torch.float64), torch.ones(B, dtype=torch.float64),
+                                 mask, **dict(opts, beta=1.0), **dict(ref_opts, correction=False))
+    torch.testing.assert_close(terms.kl, plain, rtol=1e-12, atol=1e-12)  # grpo/kl: the uncorrected estimate
+
+    # A = 0: the gradient is the KL term's alone
+    _, kl_grad = grads(torch.zeros(B, dtype=torch.float64))
+    capped = CAP_ONLY.expand(B, T) & mask
+    if est != "k3" or not kl_max:
+        assert (kl_grad[capped] != 0).all()
+    elif correction:  # only the ratio's gradient is left: beta * kl_max * r, lowering l even where pi << pi_ref
+        torch.testing.assert_close(kl_grad[capped], (0.3 * KL_MAX * torch.exp(lp - old) * w[:, None])[capped])
+    else:
+        assert (kl_grad[capped] == 0).all()
+    if est == "k3" and clamp and not correction:
+        assert (kl_grad[:, [0, -1]] == 0).all()  # past the clamp
+
+
+def categorical(seed: int, V: int = 7):
+    g = torch.Generator().manual_seed(seed)
+    return torch.log_softmax(torch.randn(V, generator=g, dtype=torch.float64) * 1.5, -1)
+
+
+@pytest.mark.parametrize("est, correction, closed_form, on_policy", [
+    ("k3", False, "forward", True),  # the GRPO paper's k3: the gradient of KL(pi_ref || pi)
+    ("k3", True, "reverse", True),  # DeepSeek-V3.2 / TRL use_bias_correction_kl: that of KL(pi || pi_ref)
+    ("k2", False, "reverse", True),
+    ("k1", True, "reverse", True),
+    ("k1", False, "zero", True),
+    ("k3", True, "reverse", False),  # tokens from pi_old: the correction's ratio reweights them to pi
+    ("k1", True, "reverse", False),
+])
+def test_expected_kl_gradient_is_the_closed_form_kl_gradient(est, correction, closed_form, on_policy):
+    """E over the sampled token, computed exactly as a sum over a small vocabulary, of the per-token loss's gradient."""
+    logits = categorical(0).clone().requires_grad_()
+    l = torch.log_softmax(logits, -1)
+    l_ref = categorical(1)
+    # off-policy: tokens come from pi_old; with behavior_ratio_cap the correction must still use the raw ratio
+    l_old = l.detach() if on_policy else categorical(2)
+    terms = grpo_token_terms(l[None], l_old[None], l_ref[None], torch.zeros(1, dtype=torch.float64),
+                             torch.ones(1, dtype=torch.float64), torch.ones(1, len(l), dtype=torch.bool),
+                             torch.zeros(1, len(l), dtype=torch.float64), clip_low=0.2, clip_high=0.2, beta=1.0,
+                             kl_estimator=est, ratio_cap=0.0 if on_policy else 1.5, bias_correction_kl=correction)
+    expected_loss = (l_old.exp() * terms.loss[0]).sum()
+    (grad,) = torch.autograd.grad(expected_loss, logits, retain_graph=True)
+    pi, pi_ref = l.exp(), l_ref.exp()
+    kl = {"forward": (pi_ref * (l_ref - l)).sum(), "reverse": (pi * (l - l_ref)).sum(), "zero": 0 * l.sum()}
+    (want,) = torch.autograd.grad(kl[closed_form], logits)
+    assert want.abs().max() > 1e-3 or closed_form == "zero"
+    torch.testing.assert_close(grad, want, rtol=1e-10, atol=1e-12)
+    if est in ("k1", "k3"):  # unbiased for the value of KL(pi || pi_ref), under pi or, corrected, under pi_old
+        assert expected_loss.item() == pytest.approx(kl["reverse"].item(), rel=1e-10)
+
+
+def test_kl_options_come_from_the_config():
+    lp = torch.tensor([[-0.5, -2.0, -1.0, -0.2]], dtype=torch.float64, requires_grad=True)
+    ref = lp.detach() + torch.tensor([[30.0, 4.0, -0.5, 0.0]], dtype=torch.float64)
+    old = lp.detach() + torch.tensor([[0.3, -0.2, 0.0, float("nan")]], dtype=torch.float64)
+    labels = torch.zeros(1, 4, dtype=torch.long)
+    adv, ones = torch.tensor([0.5], dtype=torch.float64), torch.ones(1, dtype=torch.float64)
+    pred = PolicyOutput(logprobs=lp, entropy=torch.zeros_like(lp), ref_logprobs=ref, old_logprobs=old, advantages=adv,
+                        rewards=ones, loss_weights=ones, stats=None)
+    for clamp, cap, correction in [(20.0, 10.0, False), (0.0, 0.0, True), (3.0, 0.0, False), (0.0, 5.0, True)]:
+        flags = ["--grpo.use_bias_correction_kl"] if correction else []
+        job = parse_config("--grpo.kl_log_ratio_clamp", str(clamp), "--grpo.kl_max", str(cap), *flags)
+        got = build_grpo_loss(job)(pred, labels)
+        on_policy_old = torch.where(old.isnan(), lp.detach(), old)
+        want = torch_reference_loss(lp, on_policy_old, ref, adv, ones, torch.ones_like(lp), beta=job.grpo.beta,
+                                    est="k3", ratio_cap=0.0, clamp=clamp, kl_max=cap, correction=correction,
+                                    clip_low=0.2, clip_high=0.2).sum()
+        assert got.item() == pytest.approx(want.item(), rel=1e-12)

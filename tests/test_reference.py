@@ -9,43 +9,25 @@ Simplifications:
 """
 
 import copy
-import glob
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from torchtitan.config import ConfigManager
-from torchtitan.distributed import ParallelDims
 from torchtitan.protocols.train_spec import get_train_spec
 
-from conftest import CONFIG, REPO, check, read_checkpoint, torchrun
+from conftest import CONFIG, REPO, build_model, check, parse_config, read_checkpoint, scalars_by_step, torchrun
 from plugin import config as grpo_config
-from plugin.model import REFERENCE_PREFIX, load_reference_checkpoint
+from plugin.reference import load_reference_checkpoint, reference_entries
 
 EXPORT_STEPS = 2
-
-
-def parse(*overrides):
-    return ConfigManager().parse_args(["--job.config_file", str(REPO / CONFIG), *overrides])
+parse = parse_config
 
 
 def build(*overrides):
-    """The GRPO model in this process on CPU, built as torchtitan's Trainer builds it."""
-    cfg = parse("--parallelism.tensor_parallel_degree", "1", *overrides)
-    pd = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
-    spec = get_train_spec(cfg.model.name)
-    model_args = copy.deepcopy(spec.model_args[cfg.model.flavor])
-    model_args.update_from_config(cfg)
-    with torch.device("meta"):
-        model = spec.model_cls(model_args)
-    model = spec.parallelize_fn(model, pd, cfg)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights()
-    return model, cfg, pd, spec
+    """The GRPO model in this process on CPU, one rank."""
+    return build_model("--parallelism.tensor_parallel_degree", "1", *overrides)
 
 
 def batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,7 +41,7 @@ def state(module) -> dict[str, torch.Tensor]:
 
 
 def reference_of(checkpoint: dict) -> dict[str, torch.Tensor]:
-    return {k[len(REFERENCE_PREFIX):]: v for k, v in checkpoint["optimizer"].items() if k.startswith(REFERENCE_PREFIX)}
+    return reference_entries(checkpoint["optimizer"])
 
 
 def hf_export(folder: Path) -> dict[str, torch.Tensor]:
@@ -71,19 +53,6 @@ def hf_export(folder: Path) -> dict[str, torch.Tensor]:
 def hf_adapter(cfg):
     spec = get_train_spec(cfg.model.name)
     return spec.state_dict_adapter(spec.model_args[cfg.model.flavor], None)
-
-
-def scalars_by_step(dump: Path) -> dict[str, dict[int, float]]:
-    """TensorBoard scalars of every launch in a dump folder: tag -> {step: value}."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    out = defaultdict(dict)
-    for run_dir in sorted(glob.glob(str(dump / "tb" / "*"))):
-        acc = EventAccumulator(run_dir)
-        acc.Reload()
-        for tag in acc.Tags()["scalars"]:
-            out[tag].update({e.step: e.value for e in acc.Scalars(tag)})
-    return out
 
 
 def launch(dump: Path, seed: Path, nproc: int, steps: int, *extra: str):
@@ -102,22 +71,36 @@ def launch(dump: Path, seed: Path, nproc: int, steps: int, *extra: str):
          r"checkpoint_path = .* holds neither a DCP .metadata file nor \*.safetensors files"),
         (["--reference_model.checkpoint_path", str(REPO / "plugin/assets/tokenizer"), "--reference_model.checkpoint_format", "dcp"],
          r"has no .metadata file, as \[reference_model\] checkpoint_format = 'dcp' requires"),
-        (["--reference_model.checkpoint_format", "safetensors"],
-         r"\[reference_model\] checkpoint_format = 'safetensors' is not one of"),
-        (["--reference_model.sync_steps", "4", "--reference_model.sync_alpha", "0"],
-         r"\[reference_model\] sync_alpha = 0.0 must be in \(0, 1\] when \[reference_model\] sync_steps = 4"),
-        (["--reference_model.sync_steps", "4", "--reference_model.sync_alpha", "1.5"],
-         r"\[reference_model\] sync_alpha = 1.5 must be in \(0, 1\]"),
-        (["--reference_model.sync_steps", "-1"], r"\[reference_model\] sync_steps = -1 must be >= 0"),
     ],
 )
-def test_bad_reference_config_fails_at_start_up(overrides, message):
+def test_bad_reference_checkpoint_fails_at_start_up(overrides, message):
     with pytest.raises(ValueError, match=message):
-        build(*overrides)  # the parallelize function validates, before any weight exists
+        grpo_config.validate_job(parse(*overrides))
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        (dict(checkpoint_format="safetensors"), r"\[reference_model\] checkpoint_format = 'safetensors' is not one of"),
+        (dict(sync_steps=4, sync_alpha=0.0),
+         r"\[reference_model\] sync_alpha = 0.0 must be in \(0, 1\] when \[reference_model\] sync_steps = 4"),
+        (dict(sync_steps=4, sync_alpha=1.5), r"\[reference_model\] sync_alpha = 1.5 must be in \(0, 1\]"),
+        (dict(sync_steps=-1), r"\[reference_model\] sync_steps = -1 must be >= 0"),
+    ],
+)
+def test_bad_reference_values_name_the_key(values, message):
+    with pytest.raises(ValueError, match=message):
+        grpo_config.ReferenceModel(**values)
 
 
 def test_sync_alpha_is_checked_only_with_sync():
-    grpo_config.validate(parse("--reference_model.sync_alpha", "0"))
+    grpo_config.ReferenceModel(sync_alpha=0.0)
+
+
+def test_auto_format_is_resolved_once_at_start_up(exports):
+    cfg = parse("--reference_model.checkpoint_path", str(exports["hf"]))
+    grpo_config.validate_job(cfg)
+    assert cfg.reference_model.checkpoint_format == "hf"
 
 
 def _param_bytes(module) -> int:
@@ -128,7 +111,7 @@ def test_beta_zero_builds_and_runs_no_reference():
     with_ref, *_ = build()
     without, *_ = build("--grpo.beta", "0")
     assert without.reference is None
-    assert _param_bytes(with_ref.reference) == _param_bytes(with_ref) == _param_bytes(without) > 0
+    assert _param_bytes(with_ref.reference.module) == _param_bytes(with_ref) == _param_bytes(without) > 0
     tokens, labels = batch()
     for model, passes in ((with_ref, 1), (without, 0)):
         model(tokens, labels=labels)
@@ -137,8 +120,8 @@ def test_beta_zero_builds_and_runs_no_reference():
 
 def test_offload_is_a_noop_on_cpu():
     model, *_ = build("--reference_model.offload")
-    assert model.reference_cfg.offload is False
-    assert all(p.device.type == "cpu" for p in model.reference.parameters())
+    assert model.reference.offload is False
+    assert all(p.device.type == "cpu" for p in model.reference.module.parameters())
 
 
 def _step(container, model, seed: int) -> None:
@@ -160,15 +143,15 @@ def test_sync_moves_reference_toward_policy_and_survives_resume():
     tokens, labels = batch()
     model(tokens, labels=labels)  # the first forward sets reference = policy
     with torch.no_grad():
-        for p in model.reference.parameters():
+        for p in model.reference.module.parameters():
             p.add_(torch.randn_like(p))  # so that a sync is not a copy
     container = spec.build_optimizers_fn([model], cfg.optimizer, pd)
 
-    ref0 = flat(model.reference)
+    ref0 = flat(model.reference.module)
     _step(container, model, 1)
-    assert torch.equal(flat(model.reference), ref0)  # step 1: no sync
+    assert torch.equal(flat(model.reference.module), ref0)  # step 1: no sync
     _step(container, model, 2)
-    ref2 = flat(model.reference)
+    ref2 = flat(model.reference.module)
     torch.testing.assert_close(ref2, alpha * flat(model) + (1 - alpha) * ref0, rtol=1e-6, atol=1e-7)
 
     # resume at step 2: the step count comes back with the optimizer state, so the next sync is at step 4
@@ -177,12 +160,12 @@ def test_sync_moves_reference_toward_policy_and_survives_resume():
     resumed_container = spec.build_optimizers_fn([resumed], cfg.optimizer, pd)
     resumed.load_state_dict(get_model_state_dict(model))
     resumed_container.load_state_dict(saved)
-    assert resumed_container.grpo_steps == 2 and not resumed._reference_stale
-    assert torch.equal(flat(resumed.reference), ref2)
+    assert resumed_container.grpo_steps == 2 and resumed.reference.loaded
+    assert torch.equal(flat(resumed.reference.module), ref2)
     _step(resumed_container, resumed, 3)
-    assert torch.equal(flat(resumed.reference), ref2)
+    assert torch.equal(flat(resumed.reference.module), ref2)
     _step(resumed_container, resumed, 4)
-    torch.testing.assert_close(flat(resumed.reference), alpha * flat(resumed) + (1 - alpha) * ref2, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(flat(resumed.reference.module), alpha * flat(resumed) + (1 - alpha) * ref2, rtol=1e-6, atol=1e-7)
 
 
 @pytest.fixture(scope="module")
@@ -213,9 +196,9 @@ def test_exports_hold_exactly_the_policy(exports, seed_checkpoint):
 def test_load_reference_checkpoint(exports, fmt):
     model, cfg, *_ = build()
     adapter = hf_adapter(cfg)
-    load_reference_checkpoint(model.reference, str(exports[fmt]), fmt, adapter)
+    load_reference_checkpoint(model.reference.module, str(exports[fmt]), fmt, adapter)
     expected = read_checkpoint(exports["dcp"]) if fmt == "dcp" else adapter.from_hf(hf_export(exports["hf"]))
-    got = state(model.reference)
+    got = state(model.reference.module)
     assert set(got) == set(expected)
     for k, v in expected.items():
         assert torch.equal(got[k], v), k

@@ -1,0 +1,244 @@
+"""The frozen reference model's whole lifecycle: build, first load, sync, offload, checkpoint.
+
+The reference is a deep copy of the policy's meta-device module, parallelized by the same
+function on the same TP/FSDP mesh, so every parameter shard lines up with the policy's. The
+policy holds it through a `Reference`, not as a submodule: torchtitan's optimizer, grad-norm
+clipping, FSDP gradient reduction and checkpoint/export of `model_parts` only see the policy.
+
+1. build: at parallelize time, on meta (no memory yet); `[grpo] beta = 0` builds none.
+2. materialize: the policy's to_empty / init_weights materialize it and compute its buffers.
+3. first load, at the first forward (after torchtitan's checkpoint load): [reference_model]
+   checkpoint_path, else the policy's weights; unless a full checkpoint restored it.
+4. sync: every sync_steps optimizer steps, an optimizer step post-hook moves it toward the policy.
+5. offload: with [reference_model] offload its weights visit the device only for its forward.
+6. checkpoint: saved with the optimizer's state, see `ReferenceInTrainingState`.
+"""
+
+import copy
+from contextlib import contextmanager
+from typing import Callable
+
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.fsdp import FSDPModule
+
+from torchtitan.protocols.train_spec import get_train_spec
+from torchtitan.tools.logging import logger
+
+from . import cpu
+from .config import reference_checkpoint_format
+
+# the reference's entries in the optimizer container's state dict (and so in full checkpoints)
+REFERENCE_PREFIX = "grpo_reference."
+
+
+def reference_entries(state_dict: dict) -> dict:
+    """The reference's weights among a (checkpoint's optimizer) state dict's entries, prefix removed."""
+    return {k[len(REFERENCE_PREFIX):]: v for k, v in state_dict.items() if k.startswith(REFERENCE_PREFIX)}
+
+
+class Reference:
+    """The frozen reference model of a policy, and everything done to it."""
+
+    def __init__(self, module: nn.Module, job_config):
+        r = job_config.reference_model
+        self.module = module
+        self.checkpoint_path, self.sync_steps, self.sync_alpha = r.checkpoint_path, r.sync_steps, r.sync_alpha
+        self.checkpoint_format = reference_checkpoint_format(r.checkpoint_path, r.checkpoint_format) if r.checkpoint_path else ""
+        self.sd_adapter = None
+        if self.checkpoint_format == "hf":
+            adapter_cls = get_train_spec(job_config.model.name).state_dict_adapter
+            self.sd_adapter = adapter_cls(module.model_args, job_config.model.hf_assets_path)
+        self.offload = r.offload and not cpu.is_active()
+        if r.offload and cpu.is_active():
+            logger.info("[reference_model] offload = true has no effect on CPU: the weights already live in CPU memory")
+        self.loaded = False  # holds its start-up (or restored) weights
+
+    @classmethod
+    def build(cls, policy: nn.Module, parallelize: Callable[[nn.Module], nn.Module], job_config) -> "Reference | None":
+        """A frozen, parallelized copy of the (meta-device) policy; None with [grpo] beta = 0."""
+        if job_config.grpo.beta == 0:
+            logger.info("[grpo] beta = 0: no reference model is built, loaded or run; [reference_model] has no effect")
+            return None
+        module = parallelize(copy.deepcopy(policy))
+        module.requires_grad_(False)
+        module.eval()
+        if isinstance(module, FSDPModule):
+            # no backward follows its forward: free every all-gathered weight right away
+            # (torchtitan keeps the last layers' for backward), so its parameters also stay
+            # sharded like the policy's, as sync needs
+            module.set_reshard_after_forward(True)
+        cpu.prepare_parallelized(module)
+        return cls(module, job_config)
+
+    def materialize(self, device, recurse: bool = True) -> None:
+        self.module.to_empty(device=device, recurse=recurse)
+
+    def init_buffers(self, *args, **kwargs) -> None:
+        """Its buffers (RoPE tables); the weights come at the first forward, after torchtitan's checkpoint load."""
+        self.module.init_weights(*args, **kwargs)
+        self.loaded = False
+        if self.offload:
+            self.module.to("cpu")
+
+    @contextmanager
+    def on_device(self, device: torch.device):
+        """With offload, the weights visit `device` only inside this block.
+
+        `nn.Module.to` works for plain, TP (DTensor) and FSDP2-sharded parameters: it swaps
+        DTensor parameters in place, and FSDP2 re-registers its shards after the move.
+        """
+        if not self.offload:
+            yield
+            return
+        self.module.to(device)
+        try:
+            yield
+        finally:
+            self.module.to("cpu")
+
+    @torch.no_grad()
+    def logprobs(self, policy: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, stats, **kwargs) -> torch.Tensor:
+        """[B, T] log-probs of `labels` under the reference; its first call loads its weights."""
+        if not self.loaded:
+            with self.on_device(tokens.device):
+                self.load(policy)
+        # the offload's transfers count toward the pass's time and peak memory
+        with stats.reference_pass(tokens.device), self.on_device(tokens.device):
+            logprobs = self.module(tokens, labels=labels, **kwargs).logprobs
+            end_forward_only_iteration(self.module)
+        return logprobs
+
+    def load(self, policy: nn.Module) -> None:
+        """The start-up weights: [reference_model] checkpoint_path, else the policy's."""
+        if self.checkpoint_path:
+            load_reference_checkpoint(self.module, self.checkpoint_path, self.checkpoint_format, self.sd_adapter)
+            logger.info(f"Reference model loaded from [reference_model] checkpoint_path = {self.checkpoint_path} "
+                        f"({self.checkpoint_format})")
+        else:
+            self.sync(policy)
+            logger.info("Reference model set to the policy's current weights")
+        self.loaded = True
+
+    @torch.no_grad()
+    def sync(self, policy: nn.Module, alpha: float = 1.0) -> None:
+        """reference <- alpha * policy + (1 - alpha) * reference; same parallelization, so every update is local."""
+        ref_params = dict(self.module.named_parameters())
+        for name, p in policy.named_parameters():
+            if alpha == 1:
+                ref_params[name].copy_(p)
+            else:
+                ref_params[name].mul_(1 - alpha).add_(p, alpha=alpha)
+
+    def state_dict(self) -> dict:
+        """Its weights under REFERENCE_PREFIX (with offload, the CPU copies)."""
+        return {REFERENCE_PREFIX + k: v for k, v in get_model_state_dict(self.module).items()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        set_model_state_dict(self.module, reference_entries(state_dict))
+        self.loaded = True
+        logger.info("Reference model restored from the checkpoint")
+
+
+def end_forward_only_iteration(module: nn.Module) -> None:
+    """Reset an FSDP root's per-iteration records after a forward that no backward follows.
+
+    FSDP2 appends every group's forward to a post-forward order list that only the root's
+    post-backward callback clears; for the reference it would grow by one entry per group per pass.
+    """
+    if not isinstance(module, FSDPModule):
+        return
+    if hasattr(module, "reset_iter_state"):  # torch >= 2.13: also reshards and resets the training states
+        module.reset_iter_state()
+        return
+    state = module._get_fsdp_state()
+    state._comm_ctx.post_forward_order.clear()
+    for other in state._state_ctx.all_states:
+        # torch < 2.13 has one group per state (`_fsdp_param_group`)
+        for group in getattr(other, "_fsdp_param_groups", None) or [other._fsdp_param_group]:
+            if group is not None:
+                group._post_forward_indices.clear()
+
+
+def load_reference_checkpoint(reference: nn.Module, path: str, fmt: str, sd_adapter=None) -> None:
+    """Load a DCP step folder (model-only or full) or an HF safetensors folder into the reference.
+
+    DCP reshards to the reference's own TP/FSDP layout. HF goes through the TrainSpec's
+    state-dict adapter, exactly as torchtitan's `[checkpoint] initial_load_in_hf` does.
+    """
+    state_dict = get_model_state_dict(reference)
+    if fmt == "hf":
+        hf_state_dict = sd_adapter.to_hf(state_dict)
+        dcp.load(hf_state_dict, storage_reader=sd_adapter.get_hf_storage_reader(path))
+        state_dict = sd_adapter.from_hf(hf_state_dict)
+    else:
+        # a full checkpoint holds the model's entries at top level, next to "optimizer" etc.
+        dcp.load(state_dict, checkpoint_id=path)
+    set_model_state_dict(reference, state_dict)
+
+
+class ReferenceInTrainingState:
+    """Optimizer-container mixin: the reference is saved and restored with the optimizer's state.
+
+    The reference is training state, like the optimizer's moments: it belongs in full
+    checkpoints (a resume is exact, a synced reference survives) and never in the model-only or
+    HF export. In torchtitan 0.2.2 the optimizer container is the one state that full
+    checkpoints save and exports do not, and its builder constructs the container itself: so
+    the container's class is swapped for this mixin's subclass after it is built.
+    """
+
+    grpo_steps = 0  # optimizer steps taken, for [reference_model] sync_steps
+
+    def state_dict(self):
+        sd = super().state_dict()
+        reference = self.model_parts[0].reference
+        if reference is not None:
+            sd.update(reference.state_dict())
+        return sd
+
+    def load_state_dict(self, state_dict):
+        reference_sd = {k: state_dict.pop(k) for k in list(state_dict) if k.startswith(REFERENCE_PREFIX)}
+        super().load_state_dict(state_dict)
+        self.grpo_steps = _optimizer_steps(self)
+        reference = self.model_parts[0].reference
+        if reference_sd and reference is not None:
+            reference.load_state_dict(reference_sd)
+
+
+def _optimizer_steps(container) -> int:
+    """Steps taken, as Adam/AdamW (torchtitan's optimizers) count them in their state."""
+    for optimizer in container.optimizers:
+        for state in optimizer.state.values():
+            if "step" in state:
+                return int(state["step"])
+    return 0
+
+
+def _sync_after_step(container, args, kwargs) -> None:
+    """Optimizer step post-hook: every sync_steps steps, move the reference toward the policy."""
+    container.grpo_steps += 1
+    policy = container.model_parts[0]
+    reference = policy.reference
+    if container.grpo_steps % reference.sync_steps == 0:
+        with reference.on_device(next(policy.parameters()).device):
+            reference.sync(policy, reference.sync_alpha)
+        logger.info(f"Step {container.grpo_steps}: reference <- {reference.sync_alpha} * policy + "
+                    f"{1 - reference.sync_alpha:g} * reference")
+
+
+def build_grpo_optimizers_fn(base_build: Callable) -> Callable:
+    """torchtitan's optimizer builder, with the reference in the checkpointed state and its sync hook."""
+
+    def build_grpo_optimizers(model_parts, optimizer_config, parallel_dims, *args, **kwargs):
+        container = base_build(model_parts, optimizer_config, parallel_dims, *args, **kwargs)
+        base = type(container)
+        container.__class__ = type(f"GRPO{base.__name__}", (ReferenceInTrainingState, base), {})
+        reference = model_parts[0].reference
+        if reference is not None and reference.sync_steps > 0:
+            # a resume restores the step count from the optimizer state (load_state_dict)
+            container.register_step_post_hook(_sync_after_step)
+        return container
+
+    return build_grpo_optimizers
