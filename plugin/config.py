@@ -68,7 +68,7 @@ class GRPO:
     """Sequence positions scored per chunk through the output layer; 0 scores the whole sequence at once."""
 
     def __post_init__(self):
-        _check_choices("grpo", self)
+        _check_types("grpo", self)
         _check("grpo", "clip_low", self.clip_low, 0 <= self.clip_low < 1, "in [0, 1): the ratio's lower bound is 1 - clip_low")
         _check("grpo", "clip_high", self.clip_high, self.clip_high >= 0, ">= 0")
         _check("grpo", "beta", self.beta, self.beta >= 0 and math.isfinite(self.beta), "a finite number >= 0")
@@ -107,7 +107,7 @@ class ReferenceModel:
     """Keep the reference's weights in CPU memory between its forward passes (no effect when training on CPU)."""
 
     def __post_init__(self):
-        _check_choices("reference_model", self)
+        _check_types("reference_model", self)
         _check("reference_model", "sync_steps", self.sync_steps, self.sync_steps >= 0, ">= 0 (0 = never)")
         if self.sync_steps > 0 and not 0 < self.sync_alpha <= 1:
             raise ValueError(
@@ -128,7 +128,7 @@ class RolloutData:
     """Python format string a text prompt is put in before tokenizing, e.g. "User: {prompt}\\nAssistant:"; "" = the prompt as is."""
 
     def __post_init__(self):
-        _check_choices("rollout_data", self)
+        _check_types("rollout_data", self)
         if self.chat_template:
             try:  # the prompt must show up in the result; another field or a stray brace raises
                 uses_prompt = self.chat_template.format(prompt="\0") != self.chat_template.format(prompt="")
@@ -153,12 +153,18 @@ def _check(section: str, key: str, value, ok: bool, what: str) -> None:
         raise ValueError(f"[{section}] {key} = {value} must be {what}")
 
 
-def _check_choices(section: str, values) -> None:
-    """Every Literal-typed field of a section holds one of its choices (TOML values bypass tyro's check)."""
+def _check_types(section: str, values) -> None:
+    """Every field holds its annotated type, and a Literal one of its choices (TOML values bypass tyro's checks)."""
     for name, kind in type(values).__annotations__.items():
-        choices = get_args(kind) if getattr(kind, "__origin__", None) is Literal else ()
-        if choices and getattr(values, name) not in choices:
-            raise ValueError(f"[{section}] {name} = {getattr(values, name)!r} is not one of {list(choices)}")
+        value = getattr(values, name)
+        if getattr(kind, "__origin__", None) is Literal:
+            if value not in get_args(kind):
+                raise ValueError(f"[{section}] {name} = {value!r} is not one of {list(get_args(kind))}")
+            continue
+        # TOML's 1 is a fine float; a bool is no number here, though Python says it is an int
+        accepted = (int, float) if kind is float else (kind,)
+        if isinstance(value, bool) != (kind is bool) or not isinstance(value, accepted):
+            raise ValueError(f"[{section}] {name} = {value!r} must be of type {kind.__name__}")
 
 
 def reference_checkpoint_format(path: str, fmt: str = "auto") -> str:

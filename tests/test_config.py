@@ -114,3 +114,44 @@ def test_validate_job_runs_once_at_start_up(monkeypatch):
     cfg = parse()
     plugin.loss.build_grpo_loss(cfg)
     assert calls == []
+
+
+# every key of the plugin's sections, with a value out of its range ("" where any value is in range)
+OUT_OF_RANGE = {
+    "grpo": dict(clip_low=-0.1, clip_high=-1.0, dual_clip=0.5, behavior_ratio_cap=0.5, entropy_coef=-1.0,
+                 beta=float("inf"), kl_estimator="k0", use_bias_correction_kl="", kl_log_ratio_clamp=-1.0,
+                 kl_max=-1.0, loss_aggregation="mean", horizon=-1, advantage_norm="std", advantage_eps=0.0,
+                 group_size=1, temperature=-1.0, logprob_chunk_size=-2),
+    "reference_model": dict(compile="", checkpoint_path="", checkpoint_format="", sync_steps=-1, sync_alpha="",
+                            offload=""),
+    "rollout_data": dict(format="", on_error="", chat_template="{other}"),
+}
+SECTIONS = {"grpo": grpo_config.GRPO, "reference_model": grpo_config.ReferenceModel,
+            "rollout_data": grpo_config.RolloutData}
+
+
+def test_the_fuzz_table_covers_every_key():
+    for name, section in SECTIONS.items():
+        assert set(OUT_OF_RANGE[name]) == {f.name for f in dataclasses.fields(section)}, name
+
+
+@pytest.mark.parametrize("section, key", [(s, k) for s, keys in OUT_OF_RANGE.items() for k in keys])
+@pytest.mark.parametrize("kind", ["wrong_type", "out_of_range", "empty"])
+def test_every_key_rejects_bad_values_by_name(section, key, kind):
+    """Each key set to a wrong type, an out-of-range and an empty value: the section names the key.
+
+    Building the section is what torchtitan's config parser does with a TOML value, before any
+    process group or model exists. Some keys accept any string, so "" or a path is no error there.
+    """
+    field = next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == key)
+    value = {"wrong_type": [1], "out_of_range": OUT_OF_RANGE[section][key], "empty": ""}[kind]
+    if field.type is str and value == "":
+        SECTIONS[section](**{key: value})  # "" means "none" for these: no checkpoint, no chat template
+        return
+    if (section, key) == ("reference_model", "sync_alpha") and kind != "wrong_type":
+        value = {"out_of_range": 0.0, "empty": ""}[kind]
+        with pytest.raises(ValueError, match=rf"\[{section}\] {key} = "):
+            SECTIONS[section](sync_steps=2, **{key: value})
+        return
+    with pytest.raises(ValueError, match=rf"\[{section}\] {key} = "):
+        SECTIONS[section](**{key: value})
