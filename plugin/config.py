@@ -12,6 +12,7 @@ from typing import Literal, get_args
 from torchtitan.tools.logging import logger
 
 from . import cpu
+from .guard import check_resume_checkpoint
 
 
 @dataclass
@@ -66,6 +67,9 @@ class GRPO:
 
     logprob_chunk_size: int = 0
     """Sequence positions scored per chunk through the output layer; 0 scores the whole sequence at once."""
+
+    on_nonfinite: Literal["raise", "skip"] = "raise"
+    """A NaN/inf advantage, log-prob, loss or gradient stops the run at that step (raise) or drops the step's update (skip)."""
 
     def __post_init__(self):
         _check_types("grpo", self)
@@ -230,3 +234,4 @@ def validate_job(job_config) -> None:
             f"[grpo] logprob_chunk_size = {chunk} must be a multiple of "
             f"[parallelism] tensor_parallel_degree = {tp}: each rank scores its sequence shard in chunks"
         )
+    check_resume_checkpoint(job_config)

@@ -119,9 +119,12 @@ def grpo_loss(pred, labels: torch.Tensor, *, token_terms_fn, cfg) -> torch.Tenso
         kl_max=cfg.kl_max,
         bias_correction_kl=cfg.use_bias_correction_kl,
     )
+    loss = terms.loss.sum()
     if pred.stats is not None:
         pred.stats.record_tokens(terms, mask, pred)
-    return terms.loss.sum()
+        # plugin.guard checks these before the optimizer step, in plugin.guard.TERMS order
+        pred.stats.record_nonfinite(pred.advantages, pred.ref_logprobs, pred.logprobs * mask, loss.detach())
+    return loss
 
 
 def build_grpo_loss(job_config, **kwargs):

@@ -52,10 +52,13 @@ class GRPOStats:
     # plugin.data's dataloader builder; every rank indexes the whole file, so no reduction
     skipped_rows = 0
 
-    def __init__(self):
+    def __init__(self, on_nonfinite: str = "raise"):
+        self.on_nonfinite = on_nonfinite  # [grpo] on_nonfinite, for plugin.guard
         # the device's (active, reserved) peaks before each reference pass reset them, see
         # PeakKeepingMemoryMonitor, which clears them when torchtitan resets the peaks at log time
         self.device_peaks = (0, 0)
+        self.nonfinite = None  # per plugin.guard.TERMS, counts since the last optimizer step, on the device
+        self.skipped_steps = 0  # steps whose update plugin.guard dropped
         self.reset()
 
     def reset(self) -> None:
@@ -76,6 +79,17 @@ class GRPOStats:
         ])
         self.device_sums = row if self.device_sums is None else self.device_sums + row
         self.sums["seqs"] += rewards.numel()
+
+    @torch.no_grad()
+    def record_nonfinite(self, *terms: torch.Tensor | None) -> None:
+        """Count NaN/inf entries of each of plugin.guard.TERMS, on the device (None: the term is absent)."""
+        zero = torch.zeros((), dtype=torch.float64, device=terms[-1].device)
+        row = torch.stack([zero if t is None else (~torch.isfinite(t)).sum(dtype=torch.float64) for t in terms])
+        self.nonfinite = row if self.nonfinite is None else self.nonfinite + row
+
+    def take_nonfinite(self, device: torch.device) -> torch.Tensor:
+        counts, self.nonfinite = self.nonfinite, None
+        return torch.zeros(4, dtype=torch.float64, device=device) if counts is None else counts.to(device)
 
     @contextmanager
     def reference_pass(self, device: torch.device):
@@ -132,6 +146,7 @@ class GRPOStats:
             "grpo/advantage_std": max(s["adv_sq"] / seqs - adv_mean**2, 0.0) ** 0.5,
             "grpo/completion_length_mean": s["tokens"] / seqs,
             "grpo/skipped_rows": float(self.skipped_rows),
+            "grpo/skipped_steps": float(self.skipped_steps),
         }
         if s["ref_passes"]:
             out["grpo/ref_time(s)"] = s["ref_time"] / s["ref_passes"]

@@ -207,7 +207,7 @@ def build_grpo_parallelize_fn(base_parallelize: Callable) -> Callable:
             # torchtitan's FSDP policy for the last group: resharded after forward only with "always"
             head_reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward == "always", **common,
         )
-        model.grpo_stats = GRPOStats()
+        model.grpo_stats = GRPOStats(job_config.grpo.on_nonfinite)
         if reference is not None:
             reference.module.scoring = ScoringConfig(compile=job_config.reference_model.compile,
                                                      head_reshard_after_forward=True, **common)

@@ -29,6 +29,7 @@ from torchtitan.tools.logging import logger
 
 from . import cpu
 from .config import reference_checkpoint_format
+from .guard import NonFiniteGuard
 
 # the reference's entries in the optimizer container's state dict (and so in full checkpoints)
 REFERENCE_PREFIX = "grpo_reference."
@@ -229,12 +230,13 @@ def _sync_after_step(container, args, kwargs) -> None:
 
 
 def build_grpo_optimizers_fn(base_build: Callable) -> Callable:
-    """torchtitan's optimizer builder, with the reference in the checkpointed state and its sync hook."""
+    """torchtitan's optimizer builder, with the reference in the checkpointed state and its sync hook,
+    and no update from a step with a non-finite term (plugin.guard)."""
 
     def build_grpo_optimizers(model_parts, optimizer_config, parallel_dims, *args, **kwargs):
         container = base_build(model_parts, optimizer_config, parallel_dims, *args, **kwargs)
         base = type(container)
-        container.__class__ = type(f"GRPO{base.__name__}", (ReferenceInTrainingState, base), {})
+        container.__class__ = type(f"GRPO{base.__name__}", (NonFiniteGuard, ReferenceInTrainingState, base), {})
         reference = model_parts[0].reference
         if reference is not None and reference.sync_steps > 0:
             # a resume restores the step count from the optimizer state (load_state_dict)

@@ -325,6 +325,16 @@ class RolloutIndex:
     rows: int  # rows in the file
     skipped_rows: int
     skipped_groups: int
+    stamp: tuple[int, int] = (0, 0)  # the file's (size, mtime_ns) when the indexing pass began
+
+    def check_unchanged(self) -> None:
+        """Stop with the file's name if it is no longer the file that was indexed: its rows would be other rows."""
+        st = os.stat(self.path)
+        if (st.st_size, st.st_mtime_ns) != self.stamp:
+            raise RolloutError(
+                f"{self.path}: the rollout file changed after it was indexed at start-up (size {self.stamp[0]} -> "
+                f"{st.st_size} bytes, modified since); restart the run to index it again"
+            )
 
     @property
     def num_groups(self) -> int:
@@ -336,6 +346,7 @@ class RolloutIndex:
 
     def read(self, items: np.ndarray) -> list[Completion]:
         """The completions at index entries `items`, read from the file and tokenized again."""
+        self.check_unchanged()
         rows = self.source.read(self.offsets[items])
         parsed: dict[int, list[Completion]] = {}  # a grouped row is encoded once for all its slots
         out = []
@@ -386,6 +397,7 @@ def index_rollouts(path: str, encoder: Encoder, *, fmt: str = "auto", group_size
     """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"[training] dataset_path = {path!r}: no such rollout file")
+    st = os.stat(path)  # before the pass: a change during it shows at the first read
     source = _JsonlFile(path) if rollout_format(path, fmt) == "jsonl" else _ParquetFile(path)
     if isinstance(source, _ParquetFile) and source.largest_row_group > 256 * 2**20:
         logger.warning(f"{path}: a row group of {source.largest_row_group / 2**20:.0f} MiB is decoded whole for "
@@ -469,7 +481,7 @@ def index_rollouts(path: str, encoder: Encoder, *, fmt: str = "auto", group_size
         path=path, source=source, encoder=encoder, grouped=bool(grouped), group_size=expected,
         offsets=offsets[sel], slots=cols.numpy("slot", np.int32)[sel],
         rewards=cols.numpy("reward", np.float32)[sel], lengths=cols.numpy("length", np.int32)[sel],
-        rows=rows, skipped_rows=skipped_rows, skipped_groups=skipped_groups,
+        rows=rows, skipped_rows=skipped_rows, skipped_groups=skipped_groups, stamp=(st.st_size, st.st_mtime_ns),
     )
 
 

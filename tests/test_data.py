@@ -2,6 +2,7 @@ import json
 import logging
 import re
 import math
+import os
 
 import numpy as np
 import pyarrow as pa
@@ -252,11 +253,21 @@ def test_nothing_left(tmp_path, tokenizer):
         index(str(tmp_path / "nope.jsonl"), tokenizer)
 
 
-def test_changed_file_is_detected_when_read(tmp_path, tokenizer):
+@pytest.mark.parametrize("change", ["rewrite", "append", "touch"])
+def test_changed_file_is_detected_when_read(tmp_path, tokenizer, change):
+    """Any change to the file after indexing (size or modification time) stops the next read, naming the file."""
     path = write(tmp_path / "r.jsonl", ROWS)
     idx = index(path, tokenizer)
-    write(tmp_path / "r.jsonl", [ROWS[0], {**ROWS[1], "completion": " 44 4\n"}, *ROWS[2:]])
-    with pytest.raises(RolloutError, match="changed after"):
+    assert len(idx.read(np.arange(2))) == 2
+    if change == "rewrite":  # same rows, another reward: same size, new mtime
+        write(tmp_path / "r.jsonl", [ROWS[0], {**ROWS[1], "reward": 1 - ROWS[1]["reward"]}, *ROWS[2:]])
+    elif change == "append":
+        with open(path, "a") as f:
+            f.write(json.dumps(ROWS[0]) + "\n")
+    else:
+        st = os.stat(path)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    with pytest.raises(RolloutError, match=rf"{re.escape(str(path))}: the rollout file changed after it was indexed"):
         idx.read(np.arange(2))
 
 

@@ -1,0 +1,106 @@
+"""What stops a run rather than let it train on garbage: a checkpoint it cannot resume from, and
+non-finite values, checked once per step before the optimizer applies it.
+
+The loss records, per microbatch and on the device, how many advantages, reference and policy
+log-probs and per-token losses are NaN or infinite (GRPOStats.record_nonfinite). Before the
+optimizer step, those counts and the gradients' norm are checked with one all-reduce: the run
+stops with the term and the step, or with [grpo] on_nonfinite = "skip" the step's update is
+dropped and counted (grpo/skipped_steps).
+"""
+
+import os
+import re
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.tensor import DTensor
+
+from torchtitan.tools.logging import logger
+
+# what GRPOStats.record_nonfinite counts, in the order data flows, then the gradients
+TERMS = ("advantages", "reference log-probs", "policy log-probs", "loss")
+STEP_KEY = "grpo_step_calls"
+
+
+class NonFiniteError(RuntimeError):
+    """A non-finite value reached the update; the message names the term and the step."""
+
+
+class NonFiniteGuard:
+    """Optimizer-container mixin: no update from a step with a non-finite term."""
+
+    step_calls = 0  # steps asked for, applied or skipped; saved with the optimizer's state
+
+    def state_dict(self):
+        return {**super().state_dict(), STEP_KEY: torch.tensor(self.step_calls)}
+
+    def load_state_dict(self, state_dict):
+        if STEP_KEY in state_dict:
+            self.step_calls = int(state_dict.pop(STEP_KEY))
+        super().load_state_dict(state_dict)
+
+    def step(self, *args, **kwargs):
+        self.step_calls += 1
+        stats = self.model_parts[0].grpo_stats
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                 for model in self.model_parts for p in model.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        counts = stats.take_nonfinite(grad_norm.device)
+        flags = torch.cat([counts, (~torch.isfinite(grad_norm)).reshape(1).to(counts)])
+        if dist.is_initialized():  # every rank takes the same decision; data-parallel ranks hold other batches
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        bad = [term for term, flag in zip(TERMS + ("gradients",), flags.tolist()) if flag > 0]
+        if not bad:
+            return super().step(*args, **kwargs)
+        where = f"step {self.step_calls}: non-finite {', '.join(bad)} (NaN or infinite)"
+        if stats.on_nonfinite == "raise":
+            raise NonFiniteError(f"{where}; the update was not applied. Set [grpo] on_nonfinite = \"skip\" to drop "
+                                 "such steps and go on (counted in grpo/skipped_steps)")
+        stats.skipped_steps += 1
+        logger.warning(f"{where}: the step's update is dropped ([grpo] on_nonfinite = 'skip'); "
+                       f"{stats.skipped_steps} skipped so far")
+
+
+def check_resume_checkpoint(job_config) -> None:
+    """Stop at start-up, naming the step folder, if torchtitan would resume from a checkpoint it cannot load.
+
+    torchtitan resumes from the latest step folder of [checkpoint] folder (or load_step). Its
+    last save is model-only by default, and DCP then fails deep inside the load with "Missing
+    key in checkpoint state_dict: dataloader.dp_rank_0"; a truncated file fails mid-load.
+    Reading the folder's metadata here touches nothing in it.
+    """
+    ckpt = job_config.checkpoint
+    folder = os.path.join(job_config.job.dump_folder, ckpt.folder)
+    if not ckpt.enable or not os.path.isdir(folder):
+        return
+    steps = {int(m.group(1)): name for name in os.listdir(folder) if (m := re.fullmatch(r"step-(\d+)", name))}
+    loadable = [n for n, name in steps.items() if os.path.isfile(os.path.join(folder, name, ".metadata"))
+                or os.path.isfile(os.path.join(folder, name, "model.safetensors.index.json"))]
+    step = ckpt.load_step if ckpt.load_step != -1 else max(loadable, default=-1)
+    if step <= 0 or step not in steps:  # nothing to resume, a seed checkpoint (step 0), or torchtitan's own error
+        return
+    path = os.path.join(folder, steps[step])
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as e:  # noqa: BLE001  any failure to read means the same thing to the user
+        if os.path.isfile(os.path.join(path, "model.safetensors.index.json")):
+            metadata = None  # an HF export ([checkpoint] last_save_in_hf): the model alone
+        else:
+            raise RuntimeError(f"{path}: the checkpoint's .metadata cannot be read ({type(e).__name__}: {e}); "
+                               "it is truncated or corrupted. Resume from an earlier step with "
+                               "[checkpoint] load_step, or move this folder away") from None
+    if metadata is None or not any(k.startswith("dataloader") for k in metadata.state_dict_metadata):
+        full = sorted(n for n in loadable if n != step and n > 0)
+        raise RuntimeError(
+            f"{path} holds only the model (torchtitan saves its last step model-only while [checkpoint] "
+            "last_save_model_only = true), so training cannot resume from it. Resume from a full step with "
+            f"[checkpoint] load_step ({'full steps here: ' + str(full) if full else 'none is here'}); keep "
+            "last_save_model_only = false for runs you will resume; or start a new run from these weights "
+            f"with [checkpoint] initial_load_path = {path!r} and a new [job] dump_folder"
+        )
+    for item in metadata.storage_data.values():  # a truncated or missing data file
+        file = os.path.join(path, item.relative_path)
+        if not os.path.isfile(file) or os.path.getsize(file) < item.offset + item.length:
+            raise RuntimeError(f"{path}: {item.relative_path} is missing or truncated; the checkpoint is incomplete. "
+                               "Resume from an earlier step with [checkpoint] load_step, or move this folder away")
