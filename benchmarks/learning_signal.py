@@ -16,18 +16,64 @@ Writes benchmarks/results/learning_signal.csv and .png and prints the figures.
 
 import argparse
 import csv
+import dataclasses
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
-
-from plugin.example import heldout_margins, load_policy
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 CONFIG = "train_configs/debug_cpu.toml"
+HELDOUT = REPO / "data" / "arith_heldout.jsonl"
+SEQ_LEN = 16  # debug_cpu.toml's [training] seq_len
+
+
+def load_policy(checkpoint: Path) -> torch.nn.Module:
+    """The GRPO llama3 debugmodel with the policy weights of a DCP checkpoint folder (model-only or full)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    import plugin  # noqa: F401  (registers grpo_llama3)
+
+    spec = get_train_spec("grpo_llama3")
+    model = spec.model_cls(dataclasses.replace(spec.model_args["debugmodel"], max_seq_len=SEQ_LEN))
+    out = Path(f"{checkpoint}.pt")
+    if not out.exists():
+        dcp_to_torch_save(str(checkpoint), str(out))
+    saved = torch.load(out, weights_only=False)
+    # a full checkpoint keeps the model's entries at top level, next to "optimizer" and the rest
+    model.load_state_dict({k: saved[k] for k in model.state_dict()})
+    return model.eval()
+
+
+@torch.no_grad()
+def heldout_margins(model: torch.nn.Module, path: Path = HELDOUT) -> np.ndarray:
+    """Per held-out group: mean summed log-prob of its reward-1 completions minus its reward-0 ones."""
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    from plugin.config import GRPO
+    from plugin.data import Collate
+    from plugin.logprobs import compute_logprobs
+    from plugin.rollouts import Encoder, index_rollouts
+
+    tokenizer = HuggingFaceTokenizer(str(REPO / "plugin/assets/tokenizer"))
+    index = index_rollouts(str(path), Encoder(tokenizer, tokenizer.get_vocab_size(), SEQ_LEN))
+    items = np.arange(len(index.offsets))
+    inputs, labels = Collate(SEQ_LEN, tokenizer.eos_id, GRPO(), index.group_size)(
+        torch.from_numpy(index.rewards), torch.from_numpy(index.lengths).long(), items.tolist(), index.read(items)
+    )
+    logits = model(inputs["input"])  # [B, T, V]: no labels, so torchtitan's own forward
+    logprobs = compute_logprobs(logits, labels).sum(dim=1).view(-1, index.group_size).double()  # [groups, G]
+    right = torch.from_numpy(index.rewards).view(-1, index.group_size) == 1
+    mean = lambda m: (logprobs * m).sum(1) / m.sum(1)  # noqa: E731
+    return (mean(right) - mean(~right)).numpy()
+
+
 
 
 def torchrun(nproc: int, *args: str) -> None:
@@ -41,7 +87,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--out-dir", default="/tmp/learning_signal")
+    parser.add_argument("--score", nargs="+", metavar="CHECKPOINT",
+                        help="only print each DCP checkpoint's held-out margins as JSON (tests/test_learning.py)")
     args = parser.parse_args()
+    if args.score:
+        print(json.dumps({c: heldout_margins(load_policy(Path(c))).tolist() for c in args.score}))
+        return
     out = Path(args.out_dir)
     seed, run = out / "seed", out / "run"
     if not (seed / "checkpoint" / "step-0").exists():

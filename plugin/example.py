@@ -17,14 +17,11 @@ Simplifications:
 """
 
 import argparse
-import dataclasses
 import json
 import random
 import re
 import zlib
 from pathlib import Path
-
-import torch
 
 TOKENIZER_DIR = Path(__file__).parent / "assets" / "tokenizer"
 
@@ -207,53 +204,6 @@ def train_tokenizer(out_dir: str | Path) -> None:
     }
     with open(out_dir / "tokenizer_config.json", "w", encoding="utf-8", newline="\n") as f:
         f.write(json.dumps(config, indent=2) + "\n")
-
-
-# The policy's held-out evaluation (benchmarks/learning_signal.py, tests/test_learning.py): the
-# model is the main job's (debug_cpu.toml: llama3 debugmodel, seq_len 16)
-HELDOUT = Path(__file__).resolve().parents[1] / "data" / "arith_heldout.jsonl"
-SEQ_LEN = 16
-
-
-def load_policy(checkpoint: Path) -> torch.nn.Module:
-    """The GRPO llama3 debugmodel with the policy weights of a DCP checkpoint folder (model-only or full)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    from torchtitan.protocols.train_spec import get_train_spec
-
-    spec = get_train_spec("grpo_llama3")  # registered by this package's __init__
-    model = spec.model_cls(dataclasses.replace(spec.model_args["debugmodel"], max_seq_len=SEQ_LEN))
-    out = Path(f"{checkpoint}.pt")
-    if not out.exists():
-        dcp_to_torch_save(str(checkpoint), str(out))
-    saved = torch.load(out, weights_only=False)
-    # a full checkpoint keeps the model's entries at top level, next to "optimizer" and the rest
-    model.load_state_dict({k: saved[k] for k in model.state_dict()})
-    return model.eval()
-
-
-@torch.no_grad()
-def heldout_margins(model: torch.nn.Module, path: Path = HELDOUT) -> "np.ndarray":
-    """Per held-out group: mean summed log-prob of its reward-1 completions minus its reward-0 ones."""
-    from torchtitan.components.tokenizer import HuggingFaceTokenizer
-
-    import numpy as np
-
-    from .config import GRPO
-    from .data import Collate
-    from .logprobs import compute_logprobs
-    from .rollouts import Encoder, index_rollouts
-
-    tokenizer = HuggingFaceTokenizer(str(Path(__file__).parent / "assets" / "tokenizer"))
-    index = index_rollouts(str(path), Encoder(tokenizer, tokenizer.get_vocab_size(), SEQ_LEN))
-    items = np.arange(len(index.offsets))
-    inputs, labels = Collate(SEQ_LEN, tokenizer.eos_id, GRPO(), index.group_size)(
-        torch.from_numpy(index.rewards), torch.from_numpy(index.lengths).long(), items.tolist(), index.read(items)
-    )
-    logits = model(inputs["input"])  # [B, T, V]: no labels, so torchtitan's own forward
-    logprobs = compute_logprobs(logits, labels).sum(dim=1).view(-1, index.group_size).double()  # [groups, G]
-    right = torch.from_numpy(index.rewards).view(-1, index.group_size) == 1
-    mean = lambda m: (logprobs * m).sum(1) / m.sum(1)  # noqa: E731
-    return (mean(right) - mean(~right)).numpy()
 
 
 def main(argv: list[str] | None = None) -> None:

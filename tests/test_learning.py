@@ -2,14 +2,18 @@
 run resumed from torchtitan's checkpoint continues at the same row of the data.
 
 Both start from conftest's seed checkpoint. The learning figures come from
-benchmarks/learning_signal.py, which runs the same training and scoring (plugin.example's
-held-out evaluation) and plots them.
+benchmarks/learning_signal.py, which runs the same training and scoring and plots them; the test
+scores through its --score mode.
 """
 
+import json
 import shutil
+import subprocess
+import sys
 
-from conftest import CONFIG, check, scalars, torchrun, train
-from plugin.example import heldout_margins, load_policy
+import numpy as np
+
+from conftest import CONFIG, REPO, check, scalars, torchrun, train
 
 STEPS = 40  # debug_cpu.toml's own [training] steps, TP=2 on 2 ranks
 # Observed (seed 0): the held-out margin, mean over groups of mean log p(reward-1 completions)
@@ -19,10 +23,18 @@ MIN_RISE = 6.0  # nats, under half the observed rise
 KL_MAX = 8.0
 
 
+def heldout_margins(*checkpoints):
+    """The benchmark's held-out margins of each checkpoint (its --score mode, in a subprocess)."""
+    proc = subprocess.run([sys.executable, "benchmarks/learning_signal.py", "--score", *map(str, checkpoints)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    margins = json.loads(proc.stdout.strip().splitlines()[-1])
+    return [np.array(margins[str(c)]) for c in checkpoints]
+
+
 def test_grpo_raises_the_heldout_margin_with_bounded_kl(tmp_path_factory, seed_checkpoint):
     run = train(tmp_path_factory, seed_checkpoint, "learning", 2, steps=STEPS)
-    before = heldout_margins(load_policy(seed_checkpoint))
-    after = heldout_margins(load_policy(run / "checkpoint" / f"step-{STEPS}"))
+    before, after = heldout_margins(seed_checkpoint, run / "checkpoint" / f"step-{STEPS}")
     assert after.mean() - before.mean() >= MIN_RISE, (before.mean(), after.mean())
     kl = scalars(run)["grpo/kl"]
     assert len(kl) == STEPS and kl[0] == 0  # step 1 scores the reference's own weights
