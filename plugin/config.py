@@ -12,7 +12,7 @@ from typing import Literal, get_args
 from torchtitan.tools.logging import logger
 
 from . import cpu
-from .guard import check_resume_checkpoint
+from .guard import check_restart_launch, check_resume_checkpoint
 
 
 @dataclass
@@ -235,3 +235,4 @@ def validate_job(job_config) -> None:
             f"[parallelism] tensor_parallel_degree = {tp}: each rank scores its sequence shard in chunks"
         )
     check_resume_checkpoint(job_config)
+    check_restart_launch()

@@ -104,3 +104,15 @@ def check_resume_checkpoint(job_config) -> None:
         if not os.path.isfile(file) or os.path.getsize(file) < item.offset + item.length:
             raise RuntimeError(f"{path}: {item.relative_path} is missing or truncated; the checkpoint is incomplete. "
                                "Resume from an earlier step with [checkpoint] load_step, or move this folder away")
+
+
+def check_restart_launch() -> None:
+    """Warn when torchrun may restart the workers on its shared store, where a restart may never reconnect.
+
+    Since torch 2.5 the workers share the torchrun agent's TCPStore, kept across restarts with the
+    killed attempt's keys: a restarted rank can read a dead peer's address (gloo's connectFullMesh
+    is refused or hangs; NCCL gets a stale id), pytorch/pytorch#135712.
+    """
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        logger.warning("torchrun --max-restarts is on, but the workers share the agent's TCPStore: a restart may fail "
+                       "to reconnect. Launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (README, 'Reliability')")
