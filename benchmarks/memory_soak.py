@@ -7,23 +7,32 @@ environment), and every --sample-every steps, as soon as rank 0's log line "step
 torchrun's stdout, this script reads VmRSS, VmHWM, RssAnon and RssFile from /proc/<pid>/status of
 every worker. Nothing in the job is changed but the step count, the log frequency and the dump folder.
 
-Growth after warm-up (steps >= --warmup) is a least-squares slope per rank, reported in MiB per
-1,000 steps, for VmRSS (the target: <= 1 MiB / 1,000 steps) and for RssAnon (heap and anonymous
-mappings only: RssFile also rises as library code pages are first touched, which is no leak).
+Between samples it also polls every worker's VmRSS every --poll seconds and keeps, per sample, the
+max and min over the --window steps before it: a sample read at the log line depends on where in
+the step the rank is (glibc may have just returned free heap to the kernel), the window's extremes
+do not.
+
+Growth after warm-up (steps >= --warmup) is a least-squares slope per rank, with its standard error,
+in MiB per 1,000 steps (target: <= 1), of the sampled VmRSS, of the window max and min, and of
+RssAnon (heap and anonymous mappings only; RssFile also moves as library pages are touched or
+evicted, which is no leak). The default warm-up is 500 steps: torchtitan turns on torch's flight
+recorder ([comm] trace_buf_size = 20000), whose ring gloo fills at ~118 entries a step here, ~33
+MiB per rank by step ~170, and the heap settles by step ~350 (README).
 
 Notes on the figures:
 - VmHWM is the peak since the job's last reset of it: the plugin resets it (plugin.cpu.reset_peak_rss,
   /proc/self/clear_refs) before every reference pass and torchtitan at every logged step, so it is a
   within-step peak, not the run's.
 - glibc malloc is left at its defaults unless --env sets e.g. MALLOC_ARENA_MAX=2 or
-  MALLOC_TRIM_THRESHOLD_=0 (diagnostics only: the main job runs with the defaults).
+  MALLOC_TRIM_THRESHOLD_=1073741824 (diagnostics only: the main job runs with the defaults).
 - The machine may be shared: time per step moves with other jobs, memory per step does not.
 
 Usage:
-    python benchmarks/memory_soak.py                        # 2,000 steps or 30 minutes (~15-20 min on 2 idle cores)
+    python benchmarks/memory_soak.py                        # 2,000 steps or 30 minutes (~19 min on 2 shared cores)
     python benchmarks/memory_soak.py --steps 300 --minutes 5 --sample-every 25 --warmup 50 --out /tmp/soak
     python benchmarks/memory_soak.py --env MALLOC_ARENA_MAX=2 --tag arena2
-    python benchmarks/memory_soak.py -- --grpo.logprob_chunk_size 8     # extra torchtitan flags after --
+    python benchmarks/memory_soak.py -- --comm.trace_buf_size 0        # extra torchtitan flags after --
+    python benchmarks/memory_soak.py --analyze benchmarks/results/memory_soak.csv   # table and plot again
 
 Writes <out>/memory_soak[_TAG].csv (one row per rank per sample) and .png, prints a table; exits 1
 if the job failed before reaching a stop condition.
@@ -296,6 +305,7 @@ def summarize(samples: list[dict], warmup: int) -> list[dict]:
         after = [s for s in mine if s["step"] >= warmup] or mine
         rss_slope, _, n, rss_se = fit(samples, rank, "vmrss_mib", warmup)
         win_slope, _, _, win_se = fit(samples, rank, "win_max_mib", warmup)
+        min_slope, _, _, min_se = fit(samples, rank, "win_min_mib", warmup)
         rows.append({
             "rank": rank, "points": n, "first_step": mine[0]["step"], "last_step": mine[-1]["step"],
             "warm_step": after[0]["step"],
@@ -303,6 +313,7 @@ def summarize(samples: list[dict], warmup: int) -> list[dict]:
             "rss_min": min(s["vmrss_mib"] for s in after), "rss_max": max(s["vmrss_mib"] for s in after),
             "hwm_max": max(s["vmhwm_mib"] for s in after),
             "rss_slope": rss_slope, "rss_se": rss_se, "win_max_slope": win_slope, "win_max_se": win_se,
+            "win_min_slope": min_slope, "win_min_se": min_se,
             "anon_slope": fit(samples, rank, "rssanon_mib", warmup)[0],
             "rss_slope_200": fit(samples, rank, "vmrss_mib", 200)[0],
         })
@@ -312,18 +323,19 @@ def summarize(samples: list[dict], warmup: int) -> list[dict]:
 def table(summary: list[dict], warmup: int) -> str:
     lines = [
         f"| rank | samples from step {warmup} | VmRSS at step 1 / {warmup} / last (MiB) | VmRSS min-max from step {warmup} (MiB) "
-        f"| VmHWM max (MiB) | VmRSS slope | window-max slope | RssAnon slope | VmRSS slope from step 200 |",
-        "|---:|---:|---|---|---:|---:|---:|---:|---:|",
+        f"| VmHWM max (MiB) | VmRSS slope | window-max slope | window-min slope | RssAnon slope | VmRSS slope from step 200 |",
+        "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in summary:
         lines.append(
             f"| {r['rank']} | {r['points']} | {r['rss_first']:.1f} / {r['rss_warm']:.1f} / {r['rss_last']:.1f} "
             f"(step {r['last_step']}) | {r['rss_min']:.1f}-{r['rss_max']:.1f} | {r['hwm_max']:.1f} "
             f"| {r['rss_slope']:+.2f} ± {r['rss_se']:.2f} | {r['win_max_slope']:+.2f} ± {r['win_max_se']:.2f} "
+            f"| {r['win_min_slope']:+.2f} ± {r['win_min_se']:.2f} "
             f"| {r['anon_slope']:+.2f} | {r['rss_slope_200']:+.2f} |"
         )
     lines.append("\nslopes in MiB per 1,000 steps, least squares, ± one standard error; window max: the highest of the "
-                 "VmRSS polls over the --window steps before each sample (phase-independent)")
+                 "VmRSS polls over the --window steps before each sample (phase-independent); window min: the lowest")
     return "\n".join(lines)
 
 
