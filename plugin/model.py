@@ -60,12 +60,19 @@ class GRPOModel:
         self.grpo_stats: GRPOStats | None = None
         self.reference: Reference | None = None  # not a submodule (plugin.reference says why)
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, rollouts=None, **kwargs):
-        """Logits when called without labels (torchtitan's own use); PolicyOutput with them."""
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, rollouts=None, *,
+                trunk_only: bool = False, with_reference: bool = True, **kwargs):
+        """Logits when called without labels (torchtitan's own use); PolicyOutput with them.
+
+        Through forward, so FSDP's root hooks run, also: `trunk_only` returns `hidden_states` (a
+        sampler's prefill), and `with_reference=False` skips the reference pass (a scoring pass).
+        """
+        if trunk_only:
+            return self.hidden_states(tokens, **kwargs)
         if labels is None:
             return super().forward(tokens, **kwargs)
         ref_logprobs = None
-        if self.reference is not None:
+        if self.reference is not None and with_reference:
             ref_logprobs = self.reference.logprobs(self, tokens, labels, self.grpo_stats, **kwargs)
         logprobs, entropy = self.score(tokens, labels, **kwargs)
         if rollouts is None:  # the reference's own call: only log-probs are asked for
