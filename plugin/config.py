@@ -146,10 +146,63 @@ class RolloutData:
 
 
 @dataclass
+class Online:
+    enable: bool = False
+    """Sample every batch's groups from the current policy (online GRPO); [training] dataset_path then holds prompts."""
+
+    num_generations: int = 8
+    """Completions sampled per prompt: the group size G (TRL's num_generations)."""
+
+    max_new_tokens: int = 32
+    """Most tokens sampled per completion; a completion that reaches it without a stop id is cut there."""
+
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end a completion (kept as its last token); [] = the tokenizer's EOS id."""
+
+    reward_funcs: list[str] = field(default_factory=list)
+    """Reward functions as "module:function", with TRL's signature: fn(prompts, completions, completion_ids, **columns) -> list[float]."""
+
+    reward_weights: list[float] = field(default_factory=list)
+    """One weight per reward function; the reward is their weighted sum; [] = every weight 1."""
+
+    num_iterations: int = 1
+    """Optimizer steps per sampled batch, mu (TRL's num_iterations): the batch is replayed, its old log-probs fixed at the first."""
+
+    kv_cache: bool = True
+    """Sample with a KV cache (one token per decode step); false runs the no-cache oracle, a full forward per token."""
+
+    log_completions: bool = False
+    """Write every sampled completion, its prompt and rewards to <dump_folder>/completions/step-<n>-dp<r>.jsonl."""
+
+    def __post_init__(self):
+        _check_types("online", self)
+        _check("online", "num_generations", self.num_generations, self.num_generations >= 2,
+               ">= 2: GRPO compares completions within a group")
+        _check("online", "max_new_tokens", self.max_new_tokens, self.max_new_tokens >= 1, ">= 1")
+        _check("online", "num_iterations", self.num_iterations, self.num_iterations >= 1, ">= 1")
+        for i, t in enumerate(self.stop_token_ids):
+            _check("online", f"stop_token_ids[{i}]", t, t >= 0, "a token id >= 0")
+        for i, f in enumerate(self.reward_funcs):
+            module, _, name = f.partition(":")
+            _check("online", f"reward_funcs[{i}]", repr(f), bool(module and name.isidentifier()),
+                   'of the form "module:function", e.g. "plugin.example:arith_reward"')
+        for i, w in enumerate(self.reward_weights):
+            _check("online", f"reward_weights[{i}]", w, math.isfinite(w), "a finite number")
+        if self.reward_weights and len(self.reward_weights) != len(self.reward_funcs):
+            raise ValueError(
+                f"[online] reward_weights has {len(self.reward_weights)} values for {len(self.reward_funcs)} "
+                "[online] reward_funcs: give one weight per function, or none"
+            )
+        if self.enable and not self.reward_funcs:
+            raise ValueError('[online] enable = true needs [online] reward_funcs, e.g. ["plugin.example:arith_reward"]')
+
+
+@dataclass
 class JobConfig:
     grpo: GRPO = field(default_factory=GRPO)
     reference_model: ReferenceModel = field(default_factory=ReferenceModel)
     rollout_data: RolloutData = field(default_factory=RolloutData)
+    online: Online = field(default_factory=Online)
 
 
 def _check(section: str, key: str, value, ok: bool, what: str) -> None:
@@ -161,6 +214,14 @@ def _check_types(section: str, values) -> None:
     """Every field holds its annotated type, and a Literal one of its choices (TOML values bypass tyro's checks)."""
     for name, kind in type(values).__annotations__.items():
         value = getattr(values, name)
+        if getattr(kind, "__origin__", None) is list:
+            if not isinstance(value, list):
+                raise ValueError(f"[{section}] {name} = {value!r} must be a list")
+            item = get_args(kind)[0]
+            for i, v in enumerate(value):
+                if isinstance(v, bool) or not isinstance(v, (int, float) if item is float else item):
+                    raise ValueError(f"[{section}] {name}[{i}] = {v!r} must be of type {item.__name__}")
+            continue
         if getattr(kind, "__origin__", None) is Literal:
             if value not in get_args(kind):
                 raise ValueError(f"[{section}] {name} = {value!r} is not one of {list(get_args(kind))}")

@@ -40,17 +40,23 @@ class Rollouts:
     included, so bf16 params would round advantages, loss weights and behaviour log-probs.
     """
 
-    __slots__ = ("advantages", "rewards", "loss_weights", "old_logprobs")
+    __slots__ = ("advantages", "rewards", "loss_weights", "old_logprobs", "sampler_logprobs", "keep_logprobs")
 
     def __init__(self, advantages: torch.Tensor, rewards: torch.Tensor, loss_weights: torch.Tensor,
-                 old_logprobs: torch.Tensor | None = None):
+                 old_logprobs: torch.Tensor | None = None, sampler_logprobs: torch.Tensor | None = None,
+                 keep_logprobs: bool = False):
         self.advantages = advantages  # [B] fp32
         self.rewards = rewards  # [B] fp32
         self.loss_weights = loss_weights  # [B] fp32, see loss_weights()
         self.old_logprobs = old_logprobs  # [B, T] behaviour log-probs aligned with labels, NaN where unknown
+        # online mode: the sampler's own log-probs, for the sampler/trainer mismatch metric only
+        self.sampler_logprobs = sampler_logprobs  # [B, T], NaN outside the completions; None: not measured
+        # online mode with num_iterations > 1: the model stores this pass's detached log-probs in
+        # old_logprobs, the old log-probs of the batch's replays (plugin.online)
+        self.keep_logprobs = keep_logprobs
 
     def to(self, device: torch.device) -> "Rollouts":
-        move = lambda t: t.to(device) if t is not None else None  # noqa: E731
+        move = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
         return Rollouts(*(move(getattr(self, name)) for name in self.__slots__))
 
 
@@ -102,6 +108,46 @@ class BatchPlan:
         start = (j * self.dp_world_size + self.dp_rank) * self.groups_per_microbatch
         return range(start, start + self.groups_per_microbatch)
 
+    def rows(self, j: int) -> list[int]:
+        """Positions, within a step's completions (group-major), of this rank's j-th microbatch."""
+        return [i * self.group_size + m for i in self.microbatch(j) for m in range(self.group_size)]
+
+
+class GroupStream:
+    """One seeded permutation of `num_groups` groups per epoch, concatenated over epochs.
+
+    Global batch s is the stream's groups [s*K, (s+1)*K), K = groups per step. Every rank
+    computes the same stream, so no group is dropped or repeated within an epoch whatever the
+    DP degree. Online mode's groups are prompts.
+    """
+
+    def __init__(self, num_groups: int, groups_per_step: int, seed: int):
+        self.num_groups, self.groups_per_step, self.seed = num_groups, groups_per_step, seed
+        self._orders: dict[int, np.ndarray] = {}
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """The epoch's permutation of group ids; the last two are cached (a step can span two epochs)."""
+        if epoch not in self._orders:
+            rng = np.random.default_rng([self.seed % 2**63, epoch])
+            self._orders = {e: o for e, o in self._orders.items() if e == epoch - 1}
+            self._orders[epoch] = rng.permutation(self.num_groups)
+        return self._orders[epoch]
+
+    def step_groups(self, step: int) -> np.ndarray:
+        """The group ids of global batch `step`."""
+        k, n = self.groups_per_step, self.num_groups
+        start, end, out = step * k, (step + 1) * k, []
+        while start < end:
+            epoch, offset = divmod(start, n)
+            out.append(self.epoch_order(epoch)[offset : offset + end - start])
+            start += len(out[-1])
+        return np.concatenate(out)
+
+    def epoch_starting(self, step: int) -> int | None:
+        """The epoch that starts within global batch `step`, if one does."""
+        k, n = self.groups_per_step, self.num_groups
+        return (step * k) // n if (step * k) // n != (step * k - 1) // n else None
+
 
 class RolloutDataset(IterableDataset, Stateful):
     """Yields this rank's microbatches, cut from global batches of whole groups.
@@ -116,37 +162,19 @@ class RolloutDataset(IterableDataset, Stateful):
     def __init__(self, index: RolloutIndex, plan: BatchPlan, collate: "Collate", seed: int):
         self.index, self.plan, self.collate, self.seed = index, plan, collate, seed
         self.step, self.microbatch = 0, 0  # position: the next (global batch, microbatch) to yield
-        self._orders: dict[int, np.ndarray] = {}
-
-    def epoch_order(self, epoch: int) -> np.ndarray:
-        """The epoch's permutation of group ids; the last two are cached (a step can span two epochs)."""
-        if epoch not in self._orders:
-            rng = np.random.default_rng([self.seed % 2**63, epoch])
-            self._orders = {e: o for e, o in self._orders.items() if e == epoch - 1}
-            self._orders[epoch] = rng.permutation(self.index.num_groups)
-        return self._orders[epoch]
-
-    def step_groups(self, step: int) -> np.ndarray:
-        """The group ids of global batch `step`."""
-        k, n = self.plan.groups_per_step, self.index.num_groups
-        start, end, out = step * k, (step + 1) * k, []
-        while start < end:
-            epoch, offset = divmod(start, n)
-            out.append(self.epoch_order(epoch)[offset : offset + end - start])
-            start += len(out[-1])
-        return np.concatenate(out)
+        self.stream = GroupStream(index.num_groups, plan.groups_per_step, seed)
 
     def __iter__(self):
-        k, n, G = self.plan.groups_per_step, self.index.num_groups, self.plan.group_size
+        G = self.plan.group_size
         while True:
             # the step's completions, group-major: entry i * G + j is completion j of the i-th group
-            items = (self.step_groups(self.step)[:, None] * G + np.arange(G)).ravel()
+            items = (self.stream.step_groups(self.step)[:, None] * G + np.arange(G)).ravel()
             rewards = torch.from_numpy(self.index.rewards[items])
             completion_lens = torch.from_numpy(self.index.lengths[items]).long()
-            if self.microbatch == 0 and (self.step * k) // n != (self.step * k - 1) // n:
-                logger.info(f"Rollout data: epoch {self.step * k // n} starts at step {self.step + 1}")
+            if self.microbatch == 0 and (epoch := self.stream.epoch_starting(self.step)) is not None:
+                logger.info(f"Rollout data: epoch {epoch} starts at step {self.step + 1}")
             while self.microbatch < self.plan.grad_accum:
-                rows = [i * G + j for i in self.plan.microbatch(self.microbatch) for j in range(G)]
+                rows = self.plan.rows(self.microbatch)
                 self.microbatch += 1
                 yield self.collate(rewards, completion_lens, rows, self.index.read(items[rows]))
             self.step, self.microbatch = self.step + 1, 0
@@ -167,8 +195,10 @@ class RolloutDataset(IterableDataset, Stateful):
 class Collate:
     """One microbatch: padded to seq_len, completion tokens unmasked, with advantages, loss weights, behaviour log-probs."""
 
-    def __init__(self, seq_len: int, pad_id: int, grpo, group_size: int):
+    def __init__(self, seq_len: int, pad_id: int, grpo, group_size: int, sampled: bool = False):
         self.seq_len, self.pad_id, self.cfg, self.group_size = seq_len, pad_id, grpo, group_size
+        # online mode: a completion's log-probs are the sampler's, a metric; in a file, the behaviour policy's
+        self.sampled = sampled
 
     def __call__(self, rewards: torch.Tensor, completion_lens: torch.Tensor, rows: list[int], batch: list[Completion]):
         """`rewards`, `completion_lens`: [N], every completion of the step, group-major;
@@ -188,7 +218,10 @@ class Collate:
             labels[i, c.prompt_len - 1 : len(seq) - 1] = seq[c.prompt_len :]
             if c.logprobs:
                 old_logprobs[i, c.prompt_len - 1 : len(seq) - 1] = torch.tensor(c.logprobs)
-        rollouts = Rollouts(adv[rows], rewards[rows], weights[rows], old_logprobs)
+        if self.sampled:
+            rollouts = Rollouts(adv[rows], rewards[rows], weights[rows], sampler_logprobs=old_logprobs)
+        else:
+            rollouts = Rollouts(adv[rows], rewards[rows], weights[rows], old_logprobs)
         return {"input": inputs, "labels": labels, "rollouts": rollouts}, labels
 
 
@@ -201,31 +234,49 @@ def model_vocab_size(job_config, tokenizer) -> int:
 
 
 def build_rollout_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config, **kwargs):
-    """torchtitan's dataloader builder for the rollout file named by [training] dataset_path."""
+    """torchtitan's dataloader builder: the rollout file, or in online mode the prompt file, of [training] dataset_path."""
     # the first of the GRPO TrainSpec's builders that torchtitan's Trainer calls
     validate_job(job_config)
     training, grpo, cfg = job_config.training, job_config.grpo, job_config.rollout_data
+    online = job_config.online.enable
     if not training.dataset_path:
-        raise ValueError("[training] dataset_path is empty: set it to a rollout file (JSONL or Parquet)")
+        what = "a prompt file" if online else "a rollout file"
+        raise ValueError(f"[training] dataset_path is empty: set it to {what} (JSONL or Parquet)")
     encoder = Encoder(tokenizer, model_vocab_size(job_config, tokenizer), training.seq_len, cfg.chat_template)
+
+    def plan_for(group_size: int) -> BatchPlan:
+        if training.local_batch_size % group_size:
+            raise ValueError(
+                f"[training] local_batch_size = {training.local_batch_size} must be a multiple of the "
+                f"group size {group_size}: a group is never split across batches"
+            )
+        global_batch = training.global_batch_size if training.global_batch_size > 0 else training.local_batch_size * dp_world_size
+        return BatchPlan(
+            group_size=group_size,
+            groups_per_microbatch=training.local_batch_size // group_size,
+            grad_accum=global_batch // (training.local_batch_size * dp_world_size),
+            dp_rank=dp_rank,
+            dp_world_size=dp_world_size,
+        )
+
+    if online:
+        from .online import build_online_dataset
+
+        dataset = build_online_dataset(job_config, tokenizer, encoder, plan_for, dp_rank, dp_world_size)
+    else:
+        dataset = _rollout_dataset(job_config, tokenizer, encoder, plan_for)
+    # the dataset yields whole microbatches: no automatic batching
+    return ParallelAwareDataloader(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=None)
+
+
+def _rollout_dataset(job_config, tokenizer, encoder, plan_for) -> RolloutDataset:
+    training, grpo, cfg = job_config.training, job_config.grpo, job_config.rollout_data
     index = index_rollouts(training.dataset_path, encoder, fmt=cfg.format, group_size=grpo.group_size,
                            on_error=cfg.on_error)
     # every rank indexes the whole file, so the count is the same on all of them
     GRPOStats.skipped_rows = index.skipped_rows
     group_size = index.group_size
-    if training.local_batch_size % group_size:
-        raise ValueError(
-            f"[training] local_batch_size = {training.local_batch_size} must be a multiple of the "
-            f"group size {group_size}: a group is never split across batches"
-        )
-    global_batch = training.global_batch_size if training.global_batch_size > 0 else training.local_batch_size * dp_world_size
-    plan = BatchPlan(
-        group_size=group_size,
-        groups_per_microbatch=training.local_batch_size // group_size,
-        grad_accum=global_batch // (training.local_batch_size * dp_world_size),
-        dp_rank=dp_rank,
-        dp_world_size=dp_world_size,
-    )
+    plan = plan_for(group_size)
     if plan.groups_per_step > index.num_groups:
         raise RolloutError(
             f"{training.dataset_path}: {index.num_groups} groups, fewer than one global batch "
@@ -237,6 +288,4 @@ def build_rollout_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_co
         f"{plan.groups_per_step} groups per step, {index.num_groups / plan.groups_per_step:.1f} steps per epoch"
     )
     pad_id = tokenizer.eos_id if tokenizer.eos_id is not None else 0
-    dataset = RolloutDataset(index, plan, Collate(training.seq_len, pad_id, grpo, group_size), job_config.debug.seed or 0)
-    # the dataset yields whole microbatches: no automatic batching
-    return ParallelAwareDataloader(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=None)
+    return RolloutDataset(index, plan, Collate(training.seq_len, pad_id, grpo, group_size), job_config.debug.seed or 0)

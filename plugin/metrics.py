@@ -14,7 +14,8 @@ from . import cpu
 _GIB = 1024**3
 
 # sums reduced with SUM over the data-parallel ranks, the token ones kept on the device; peaks with MAX
-_DEVICE_KEYS = ("tokens", "kl", "ratio", "clip_low", "clip_high", "entropy", "reward", "reward_sq", "adv", "adv_sq")
+_DEVICE_KEYS = ("tokens", "kl", "ratio", "clip_low", "clip_high", "entropy", "reward", "reward_sq", "adv", "adv_sq",
+                "mismatch", "mismatch_out", "mismatch_tokens")
 _HOST_KEYS = ("seqs", "ref_passes", "ref_time")
 _MAX_KEYS = ("ref_peak_mem", "ref_peak_growth")
 
@@ -59,6 +60,7 @@ class GRPOStats:
         self.device_peaks = (0, 0)
         self.nonfinite = None  # per plugin.guard.TERMS, counts since the last optimizer step, on the device
         self.skipped_steps = 0  # steps whose update plugin.guard dropped
+        self.online: OnlineStats | None = None  # set by plugin.online's dataset in online mode
         self.reset()
 
     def reset(self) -> None:
@@ -72,10 +74,18 @@ class GRPOStats:
         """Add one microbatch's sums without a host sync: .item() would wait for the device every microbatch."""
         total = partial(torch.sum, dtype=torch.float64)
         rewards, adv = pred.rewards.double(), pred.advantages.double()
+        zero = torch.zeros((), dtype=torch.float64, device=mask.device)
+        mismatch = mismatch_out = mismatch_tokens = zero
+        if pred.sampler_logprobs is not None:
+            # the sampler's log-probs against this pass's, on the completion tokens the sampler scored
+            sampled = mask & ~pred.sampler_logprobs.isnan()
+            diff = torch.where(sampled, pred.logprobs.detach() - pred.sampler_logprobs, 0.0).double()
+            mismatch, mismatch_tokens = diff.abs().sum(), total(sampled)
+            mismatch_out = total(sampled & ((diff.exp() - 1).abs() > 0.1))  # ratio outside [0.9, 1.1]
         row = torch.stack([
             total(mask), total(terms.kl), total(terms.ratio * mask), total(terms.clipped_low),
             total(terms.clipped_high), total(pred.entropy * mask),
-            rewards.sum(), (rewards**2).sum(), adv.sum(), (adv**2).sum(),
+            rewards.sum(), (rewards**2).sum(), adv.sum(), (adv**2).sum(), mismatch, mismatch_out, mismatch_tokens,
         ])
         self.device_sums = row if self.device_sums is None else self.device_sums + row
         self.sums["seqs"] += rewards.numel()
@@ -148,10 +158,64 @@ class GRPOStats:
             "grpo/skipped_rows": float(self.skipped_rows),
             "grpo/skipped_steps": float(self.skipped_steps),
         }
+        if s["mismatch_tokens"]:
+            out["online/logprob_mismatch"] = s["mismatch"] / s["mismatch_tokens"]
+            out["online/logprob_mismatch_ratio_outside_10pct"] = s["mismatch_out"] / s["mismatch_tokens"]
+        if self.online is not None:
+            out.update(self.online.take())
         if s["ref_passes"]:
             out["grpo/ref_time(s)"] = s["ref_time"] / s["ref_passes"]
             out["grpo/ref_peak_memory(GiB)"] = p["ref_peak_mem"]
             out["grpo/ref_peak_growth(GiB)"] = p["ref_peak_growth"]
+        return out
+
+
+class OnlineStats:
+    """Generation and reward figures of the sampled batches since the last log.
+
+    plugin.online gathers each batch's figures from every DP rank before recording them, so
+    every rank holds the same global values and nothing is reduced at log time.
+    """
+
+    def __init__(self, reward_names: list[str]):
+        self.reward_names = reward_names
+        self.since = time.perf_counter()  # wall time since the last log: the share's denominator
+        self._clear()
+
+    def _clear(self) -> None:
+        self.batches, self.gen_time, self.tokens, self.seqs, self.truncated, self.len_max = 0, 0.0, 0, 0, 0, 0
+        self.rewards: list[list[float]] = [[] for _ in self.reward_names]
+
+    def record(self, gen_time: float, lengths: list[int], truncated: list[bool], rewards: list[list[float]]) -> None:
+        """One sampled global batch: the slowest rank's generation seconds, and every completion's figures."""
+        self.batches += 1
+        self.gen_time += gen_time
+        self.tokens += sum(lengths)
+        self.seqs += len(lengths)
+        self.truncated += sum(truncated)
+        self.len_max = max([self.len_max, *lengths])
+        for acc, values in zip(self.rewards, rewards):
+            acc.extend(v for v in values if v == v)  # a function's None (NaN) rewards do not apply
+
+    def take(self) -> dict[str, float]:
+        now = time.perf_counter()
+        wall, self.since = now - self.since, now
+        if not self.batches:  # a replay-only stretch: nothing was sampled
+            return {}
+        out = {
+            "online/generation_time(s)": self.gen_time / self.batches,
+            "online/generation_share": self.gen_time / wall if wall > 0 else 0.0,
+            "online/generated_tokens_per_s": self.tokens / self.gen_time if self.gen_time > 0 else 0.0,
+            "online/completion_length_mean": self.tokens / self.seqs,
+            "online/completion_length_max": float(self.len_max),
+            "online/truncated_fraction": self.truncated / self.seqs,
+        }
+        for name, values in zip(self.reward_names, self.rewards):
+            if values:
+                t = torch.tensor(values, dtype=torch.float64)
+                out[f"online/reward/{name}_mean"] = t.mean().item()
+                out[f"online/reward/{name}_std"] = t.std(unbiased=False).item()
+        self._clear()
         return out
 
 

@@ -38,6 +38,7 @@ class PolicyOutput:
     rewards: torch.Tensor | None = None  # [B]
     loss_weights: torch.Tensor | None = None  # [B], see data.loss_weights
     stats: GRPOStats | None = None
+    sampler_logprobs: torch.Tensor | None = None  # [B, T] online mode's sampler log-probs, NaN elsewhere
 
 
 @dataclass
@@ -78,8 +79,11 @@ class GRPOModel:
         if rollouts is None:  # the reference's own call: only log-probs are asked for
             return PolicyOutput(logprobs, entropy)
         r = rollouts.to(tokens.device)
+        if rollouts.keep_logprobs:
+            # the first pass over an online batch: its log-probs are the old log-probs of the replays
+            rollouts.old_logprobs = logprobs.detach().clone()
         return PolicyOutput(logprobs, entropy, ref_logprobs, r.old_logprobs, r.advantages, r.rewards, r.loss_weights,
-                            self.grpo_stats)
+                            self.grpo_stats, r.sampler_logprobs)
 
     def score(self, tokens: torch.Tensor, labels: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, T] log-probs of `labels` and entropies under this model."""
@@ -219,6 +223,10 @@ def build_grpo_parallelize_fn(base_parallelize: Callable) -> Callable:
             reference.module.scoring = ScoringConfig(compile=job_config.reference_model.compile,
                                                      head_reshard_after_forward=True, **common)
             model.reference = reference
+        if job_config.online.enable:
+            from .online import attach
+
+            attach(model, parallel_dims)  # the online dataset, built before the model, samples from it
         return model
 
     return parallelize_grpo

@@ -21,9 +21,9 @@ def test_sections_merge_with_defaults():
 
 def test_every_field_has_a_default_and_a_docstring():
     source = (REPO / "plugin/config.py").read_text()
-    for section in (grpo_config.GRPO, grpo_config.ReferenceModel, grpo_config.RolloutData):
+    for section in (grpo_config.GRPO, grpo_config.ReferenceModel, grpo_config.RolloutData, grpo_config.Online):
         for f in dataclasses.fields(section):
-            assert f.default is not dataclasses.MISSING, f.name
+            assert f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING, f.name
             # the line after the field is its one-line docstring
             lines = source.splitlines()
             i = next(i for i, l in enumerate(lines) if l.strip().startswith(f"{f.name}:"))
@@ -125,9 +125,11 @@ OUT_OF_RANGE = {
     "reference_model": dict(compile="", checkpoint_path="", checkpoint_format="", sync_steps=-1, sync_alpha="",
                             offload=""),
     "rollout_data": dict(format="", on_error="", chat_template="{other}"),
+    "online": dict(enable="", num_generations=1, max_new_tokens=0, stop_token_ids=[-1], reward_funcs=["no_colon"],
+                   reward_weights=[float("nan")], num_iterations=0, kv_cache="", log_completions=""),
 }
 SECTIONS = {"grpo": grpo_config.GRPO, "reference_model": grpo_config.ReferenceModel,
-            "rollout_data": grpo_config.RolloutData}
+            "rollout_data": grpo_config.RolloutData, "online": grpo_config.Online}
 
 
 def test_the_fuzz_table_covers_every_key():
@@ -144,7 +146,13 @@ def test_every_key_rejects_bad_values_by_name(section, key, kind):
     process group or model exists. Some keys accept any string, so "" or a path is no error there.
     """
     field = next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == key)
-    value = {"wrong_type": [1], "out_of_range": OUT_OF_RANGE[section][key], "empty": ""}[kind]
+    is_list = getattr(field.type, "__origin__", None) is list
+    # [1] is a fine list[int]: a list key's wrong type is a scalar
+    value = {"wrong_type": 7 if is_list else [1], "out_of_range": OUT_OF_RANGE[section][key], "empty": ""}[kind]
+    if is_list:  # a list's bad item is named by its index
+        with pytest.raises(ValueError, match=rf"\[{section}\] {key}(\[0\])? = "):
+            SECTIONS[section](**{key: value})
+        return
     if field.type is str and value == "":
         SECTIONS[section](**{key: value})  # "" means "none" for these: no checkpoint, no chat template
         return

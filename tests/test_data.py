@@ -404,9 +404,9 @@ def test_dp_sharding_is_disjoint_and_complete(id_files, tokenizer, n_groups, wor
 def test_shuffle_is_deterministic_per_seed_and_epoch(id_files, tokenizer):
     path = id_files(20)
     ds = _dataset(path, tokenizer, 0, 1)
-    assert ds.epoch_order(0).tolist() == _dataset(path, tokenizer, 0, 1).epoch_order(0).tolist()
-    assert ds.epoch_order(0).tolist() != ds.epoch_order(1).tolist()
-    assert ds.epoch_order(0).tolist() != _dataset(path, tokenizer, 0, 1, seed=4).epoch_order(0).tolist()
+    assert ds.stream.epoch_order(0).tolist() == _dataset(path, tokenizer, 0, 1).stream.epoch_order(0).tolist()
+    assert ds.stream.epoch_order(0).tolist() != ds.stream.epoch_order(1).tolist()
+    assert ds.stream.epoch_order(0).tolist() != _dataset(path, tokenizer, 0, 1, seed=4).stream.epoch_order(0).tolist()
 
 
 def test_state_dict_resumes_at_the_same_row(id_files, tokenizer):

@@ -1,0 +1,309 @@
+"""Online GRPO: every batch's groups are sampled from the current policy inside torchtitan's loop.
+
+torchtitan's Trainer pulls all microbatches of a step before its first forward, and builds the
+dataloader before the model. So the dataset samples: the GRPO parallelize function hands it
+the parallelized policy (`attach`), and the first `next()` of a batch's first step generates
+G completions for each of this rank's prompts, scores them with the reward functions, gathers
+rewards and lengths from the other DP ranks (advantages and loss weights are global), and cuts
+the same microbatches as file rollouts (plugin.data's plan and Collate). Generation time
+therefore also shows as torchtitan's data-loading time.
+
+With `[online] num_iterations` = mu > 1 a batch is trained on for mu optimizer steps. Its
+old log-probs are those of the first step's forward on exactly the same microbatches, before
+any update (the model keeps them, see `Rollouts.keep_logprobs`): the first step's ratio is 1,
+the replays' ratios are clipped against them, and no extra scoring pass is run.
+
+The data state (prompt position, replay phase and, mid-replay, the batch itself with its old
+log-probs) is saved per DP rank, so a resume anywhere, mid-replay too, continues the same run.
+
+Simplifications:
+1. Every rank loads the whole prompt file into memory (prompts are small next to rollouts).
+2. A batch's completions are generated in one call per rank, all its microbatches at once.
+"""
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.utils.data import IterableDataset
+
+from torchtitan.tools.logging import logger
+
+from .metrics import GRPOStats, OnlineStats
+from .rewards import load_reward_fns, score
+from .rollouts import MAX_QUOTED, Completion, RolloutError, _Bad, _JsonlFile, rollout_format
+
+PROMPT_FIELDS = ("prompt", "prompt_ids")
+_DATASETS: list["OnlineDataset"] = []  # built in this process, waiting for the policy (attach)
+
+
+@dataclass
+class Prompt:
+    ids: list[int]  # with the chat template and BOS, as the model reads it
+    text: str  # as given (decoded when the row gives ids): what reward functions get as a prompt
+    columns: dict[str, Any]  # every other column of the row
+    where: str  # file:line (JSONL) or file: row n (Parquet)
+
+
+def _rows(path: str, fmt: str):
+    """(where, row or _Bad) for every row of a JSONL or Parquet prompt file, every column kept."""
+    if rollout_format(path, fmt) == "jsonl":
+        source = _JsonlFile(path)
+        for line, _, row in source.scan():
+            yield source.where(line), row
+        return
+    import pyarrow.parquet as pq
+
+    n = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+        for row in batch.to_pylist():
+            yield f"{path}: row {n}", row
+            n += 1
+
+
+def load_prompts(path: str, encoder, tokenizer, *, fmt: str, max_new_tokens: int, on_error: str) -> tuple[list[Prompt], int]:
+    """Every prompt row, checked; (prompts, rows skipped). A bad row raises naming file, line and field,
+    or with on_error = "skip" is counted, logged and left out."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"[training] dataset_path = {path!r}: no such prompt file")
+    prompts, problems, skipped = [], [], 0
+    limit = encoder.seq_len + 1 - max_new_tokens  # the input drops a training sequence's last token
+    for where, row in _rows(path, fmt):
+        try:
+            if isinstance(row, _Bad):
+                raise row
+            ids = encoder.prompt(row)
+            if len(ids) > limit:
+                raise _Bad(f"the prompt is {len(ids)} tokens; with [online] max_new_tokens = {max_new_tokens} "
+                           f"a prompt may have at most [training] seq_len + 1 - max_new_tokens = {limit}")
+        except _Bad as e:
+            if on_error == "raise":
+                raise RolloutError(f"{where}: {e}") from None
+            skipped += 1
+            if len(problems) < MAX_QUOTED:
+                problems.append(f"{where}: {e}")
+            continue
+        text = row["prompt"] if row.get("prompt") is not None else tokenizer.decode(ids)
+        columns = {k: v for k, v in row.items() if k not in PROMPT_FIELDS}
+        prompts.append(Prompt(ids, text, columns, where))
+    if skipped:
+        logger.warning(f"{path}: {skipped} prompt rows skipped ([rollout_data] on_error = \"skip\"); first problems:\n  "
+                       + "\n  ".join(problems))
+    if not prompts:
+        raise RolloutError(f"{path}: no valid prompt rows" + (f"; first problems:\n  " + "\n  ".join(problems)
+                                                                if problems else ""))
+    return prompts, skipped
+
+
+def sample_key(seed: int, batch: int, position: int, member: int) -> int:
+    """The 63-bit key of one completion's randomness: the run seed, the batch, the group's place in it, the member.
+
+    Nothing about the rank layout enters it, so 1 rank, TP and FSDP draw the same completions.
+    """
+    data = f"{seed}:{batch}:{position}:{member}".encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
+
+
+class OnlineDataset(IterableDataset, Stateful):
+    """Yields this rank's microbatches of completions sampled from the attached policy, each batch mu times."""
+
+    def __init__(self, prompts: list[Prompt], plan, collate, seed: int, online, reward_fns, tokenizer,
+                 pad_id: int, stop_ids: list[int], temperature: float, dump_folder: str):
+        from .data import GroupStream
+
+        self.prompts, self.plan, self.collate, self.seed, self.cfg = prompts, plan, collate, seed, online
+        self.reward_fns, self.tokenizer, self.pad_id, self.stop_ids = reward_fns, tokenizer, pad_id, stop_ids
+        self.temperature, self.dump_folder = temperature, dump_folder
+        self.stream = GroupStream(len(prompts), plan.groups_per_step, seed)
+        # position: the next (batch, iteration, microbatch) to yield; mid-batch, its microbatches
+        self.batch_index, self.iteration, self.microbatch = 0, 0, 0
+        self.batch: list[dict] | None = None
+        self.policy, self.sampler, self.dp_group, self.writes_log = None, None, None, True
+        self.stats: OnlineStats | None = None
+        _DATASETS.append(self)
+
+    def attach(self, policy, parallel_dims) -> None:
+        """The parallelized policy to sample from; its GRPOStats get the online figures."""
+        self.policy = policy
+        if parallel_dims.dp_enabled:
+            self.dp_group = parallel_dims.get_optional_mesh("batch").get_group()
+        tp = parallel_dims.get_optional_mesh("tp") if parallel_dims.tp_enabled else None
+        self.writes_log = tp is None or tp.get_local_rank() == 0  # TP peers hold the same completions
+        self.stats = OnlineStats([f.name for f in self.reward_fns])
+        if policy.grpo_stats is not None:
+            policy.grpo_stats.online = self.stats
+
+    def __iter__(self):
+        plan, mu = self.plan, self.cfg.num_iterations
+        while True:
+            if self.microbatch == plan.grad_accum:
+                self.iteration, self.microbatch = self.iteration + 1, 0
+            if self.iteration == mu:
+                self.batch_index, self.iteration, self.batch = self.batch_index + 1, 0, None
+            if self.batch is None:
+                if self.iteration or self.microbatch:
+                    raise RolloutError("the data position is inside a replayed batch that the checkpoint does not hold")
+                self.batch = self.sample_batch(self.batch_index)
+            record = self.batch[self.microbatch]
+            r = record["rollouts"]
+            first = self.iteration == 0
+            r.keep_logprobs = first and mu > 1
+            r.sampler_logprobs = record["sampler_logprobs"] if first else None
+            if first:
+                r.old_logprobs = None
+            elif r.old_logprobs is None:
+                raise RolloutError("a replayed microbatch has no old log-probs: its first pass did not run")
+            self.microbatch += 1
+            yield {"input": record["input"], "labels": record["labels"], "rollouts": r}, record["labels"]
+
+    @torch.no_grad()
+    def sample_batch(self, index: int) -> list[dict]:
+        """Sample, reward and cut global batch `index`: this rank's microbatches."""
+        if self.policy is None:
+            raise RuntimeError("online mode: no policy was attached to the dataset (plugin.model's parallelize "
+                               "function attaches it; is [model] name a grpo_* model?)")
+        if self.sampler is None:
+            from .sampler import build_sampler
+
+            self.sampler = build_sampler(self.policy, kv_cache=self.cfg.kv_cache, max_new_tokens=self.cfg.max_new_tokens,
+                                         stop_ids=self.stop_ids, temperature=self.temperature, pad_id=self.pad_id)
+        plan, G = self.plan, self.plan.group_size
+        if (epoch := self.stream.epoch_starting(index)) is not None:
+            logger.info(f"Online prompts: epoch {epoch} starts at batch {index}")
+        prompt_ids = self.stream.step_groups(index)
+        positions = [i for j in range(plan.grad_accum) for i in plan.microbatch(j)]  # my groups, in batch order
+        mine = [self.prompts[prompt_ids[i]] for i in positions for _ in range(G)]
+        keys = [sample_key(self.seed, index, i, m) for i in positions for m in range(G)]
+
+        start = time.perf_counter()
+        samples = self.sampler.generate([p.ids for p in mine], keys)
+        gen_time = time.perf_counter() - start
+
+        texts = [self.tokenizer.decode(c[:-1] if c and c[-1] in self.stop_ids else c) for c in samples.completions]
+        columns = {k: [p.columns.get(k) for p in mine] for k in dict.fromkeys(k for p in mine for k in p.columns)}
+        totals, per_fn = score(self.reward_fns, [p.text for p in mine], texts, samples.completions, columns,
+                               [p.where for p in mine])
+        lengths = [len(c) for c in samples.completions]
+
+        # advantages (batch_std) and loss weights need every DP rank's rewards and lengths
+        gathered = [(positions, totals, per_fn, lengths, samples.truncated, gen_time)]
+        if self.dp_group is not None:
+            gathered = [None] * dist.get_world_size(self.dp_group)
+            dist.all_gather_object(gathered, (positions, totals, per_fn, lengths, samples.truncated, gen_time),
+                                   group=self.dp_group)
+        n = plan.groups_per_step * G
+        rewards, lens, truncated = [0.0] * n, [0] * n, [False] * n
+        fn_rewards = [[0.0] * n for _ in self.reward_fns]
+        for pos, tot, fns, ln, tr, _ in gathered:
+            for k, i in enumerate(pos):
+                for m in range(G):
+                    src, dst = k * G + m, i * G + m
+                    rewards[dst], lens[dst], truncated[dst] = tot[src], ln[src], tr[src]
+                    for f in range(len(fns)):
+                        fn_rewards[f][dst] = fns[f][src]
+        self.stats.record(max(g[-1] for g in gathered), lens, truncated, fn_rewards)
+        if self.cfg.log_completions and self.writes_log:
+            self._log(index, mine, texts, samples, totals, per_fn)
+
+        rewards_t, lens_t = torch.tensor(rewards, dtype=torch.float32), torch.tensor(lens, dtype=torch.long)
+        local = {i: k for k, i in enumerate(positions)}  # group position in the batch -> my k-th group
+        batch = []
+        for j in range(plan.grad_accum):
+            rows = plan.rows(j)
+            completions = []
+            for row in rows:
+                i, m = divmod(row, G)
+                s = local[i] * G + m
+                p = mine[s]
+                completions.append(Completion(p.ids + samples.completions[s], len(p.ids), rewards[row],
+                                              samples.logprobs[s]))
+            inputs, labels = self.collate(rewards_t, lens_t, rows, completions)
+            r = inputs["rollouts"]
+            batch.append(dict(input=inputs["input"], labels=labels, rollouts=r, sampler_logprobs=r.sampler_logprobs))
+        return batch
+
+    def _log(self, index: int, mine: list[Prompt], texts, samples, totals, per_fn) -> None:
+        folder = Path(self.dump_folder) / "completions"
+        folder.mkdir(parents=True, exist_ok=True)
+        dp = dist.get_rank(self.dp_group) if self.dp_group is not None else 0
+        with open(folder / f"batch-{index:06d}-dp{dp}.jsonl", "w") as f:
+            for s, p in enumerate(mine):
+                f.write(json.dumps(dict(
+                    prompt=p.text, where=p.where, completion=texts[s], completion_ids=samples.completions[s],
+                    truncated=samples.truncated[s], reward=totals[s],
+                    rewards={fn.name: (None if r[s] != r[s] else r[s]) for fn, r in zip(self.reward_fns, per_fn)},
+                )) + "\n")
+
+    def state_dict(self) -> dict[str, Any]:
+        state = dict(batch_index=self.batch_index, iteration=self.iteration, microbatch=self.microbatch,
+                     num_prompts=len(self.prompts))
+        mid_batch = self.microbatch < self.plan.grad_accum or self.iteration + 1 < self.cfg.num_iterations
+        if self.batch is not None and (self.iteration or self.microbatch) and mid_batch:
+            state["batch"] = [_cpu(record) for record in self.batch]
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = state_dict.get("num_prompts", len(self.prompts))
+        if saved != len(self.prompts):
+            raise RolloutError(
+                f"{self.prompts[0].where.rsplit(':', 1)[0]}: {len(self.prompts)} valid prompts, but the checkpoint's "
+                f"data position is in a stream of {saved}; resume with the same prompt file and settings"
+            )
+        self.batch_index, self.iteration, self.microbatch = (
+            state_dict["batch_index"], state_dict["iteration"], state_dict["microbatch"])
+        self.batch = state_dict.get("batch")
+
+
+def _cpu(record: dict) -> dict:
+    r = record["rollouts"].to(torch.device("cpu"))
+    return dict(record, rollouts=r)
+
+
+def attach(policy, parallel_dims) -> None:
+    """Hand the parallelized policy to the online datasets built in this process (called by plugin.model)."""
+    while _DATASETS:
+        _DATASETS.pop().attach(policy, parallel_dims)
+
+
+def build_online_dataset(job_config, tokenizer, encoder, plan_for, dp_rank: int, dp_world_size: int):
+    """The online dataset for [training] dataset_path's prompts; `plan_for(group_size)` cuts batches as for files."""
+    from .data import Collate
+
+    training, grpo, online, cfg = job_config.training, job_config.grpo, job_config.online, job_config.rollout_data
+    G = online.num_generations
+    if grpo.group_size not in (0, G):
+        raise ValueError(f"[grpo] group_size = {grpo.group_size} differs from [online] num_generations = {G}; "
+                         "set [grpo] group_size = 0 (or to the same value) in online mode")
+    stop_ids = list(online.stop_token_ids)
+    if not stop_ids:
+        if tokenizer.eos_id is None:
+            raise ValueError("[online] stop_token_ids is empty and the tokenizer has no EOS id: give the stop ids")
+        stop_ids = [tokenizer.eos_id]
+    for i, t in enumerate(stop_ids):
+        if t >= encoder.vocab_size:
+            raise ValueError(f"[online] stop_token_ids[{i}] = {t} is outside the model's vocabulary [0, {encoder.vocab_size})")
+    reward_fns = load_reward_fns(online.reward_funcs, online.reward_weights)
+    prompts, skipped = load_prompts(training.dataset_path, encoder, tokenizer, fmt=cfg.format,
+                                    max_new_tokens=online.max_new_tokens, on_error=cfg.on_error)
+    GRPOStats.skipped_rows = skipped
+    plan = plan_for(G)
+    if plan.groups_per_step > len(prompts):
+        raise RolloutError(f"{training.dataset_path}: {len(prompts)} prompts, fewer than one global batch "
+                           f"({plan.groups_per_step} prompts of {G} completions)")
+    logger.info(
+        f"Online GRPO: {len(prompts)} prompts from {training.dataset_path}, {plan.groups_per_step} per batch, "
+        f"{G} completions each, up to {online.max_new_tokens} new tokens (stop ids {stop_ids}), "
+        f"{online.num_iterations} optimizer step(s) per batch, rewards: "
+        + ", ".join(f"{f.weight:g} * {f.key.split('= ', 1)[1]}" for f in reward_fns)
+    )
+    pad_id = tokenizer.eos_id if tokenizer.eos_id is not None else 0
+    collate = Collate(training.seq_len, pad_id, grpo, G, sampled=True)
+    return OnlineDataset(prompts, plan, collate, job_config.debug.seed or 0, online, reward_fns, tokenizer, pad_id,
+                         stop_ids, grpo.temperature, job_config.job.dump_folder)

@@ -1,0 +1,108 @@
+"""Reward functions named in `[online] reward_funcs`, with TRL's signature, and their checked, weighted sum.
+
+A function is called once per sampled batch:
+
+    fn(prompts, completions, completion_ids, **columns) -> list[float]
+
+`prompts` and `completions` are text (a completion without its stop token), `completion_ids`
+the sampled ids (with it), and every other column of the prompt rows arrives as a keyword list
+of the same length. As in TRL, a function may return None for a completion it does not apply
+to; the reward is the weighted sum over the functions that apply.
+"""
+
+import importlib
+import math
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable
+
+
+class RewardError(RuntimeError):
+    """A reward function that failed, or returned something that is not one finite reward per completion."""
+
+
+@dataclass
+class RewardFn:
+    key: str  # e.g. '[online] reward_funcs[0] = "plugin.example:arith_reward"', for messages
+    name: str  # the function's name, for metric tags
+    fn: Callable
+    weight: float
+
+
+def load_reward_fns(specs: list[str], weights: list[float]) -> list[RewardFn]:
+    """Import every "module:function"; a failure names the TOML key and the module path."""
+    fns = []
+    for i, spec in enumerate(specs):
+        key = f"[online] reward_funcs[{i}] = {spec!r}"
+        module_name, _, attr = spec.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as e:
+            raise ValueError(f"{key}: cannot import module '{module_name}': {type(e).__name__}: {e}") from e
+        fn = getattr(module, attr, None)
+        if not callable(fn):
+            where = getattr(module, "__file__", module_name)
+            raise ValueError(f"{key}: module '{module_name}' ({where}) has no function '{attr}'")
+        fns.append(RewardFn(key, attr, fn, weights[i] if weights else 1.0))
+    counts = Counter(f.name for f in fns)
+    for i, f in enumerate(fns):  # metric tags must not collide
+        if counts[f.name] > 1:
+            f.name = f"{f.name}_{i}"
+    return fns
+
+
+def score(fns: list[RewardFn], prompts: list[str], completions: list[str], completion_ids: list[list[int]],
+          columns: dict[str, list], where: list[str]) -> tuple[list[float], list[list[float]]]:
+    """(weighted total per completion, each function's rewards with NaN where it returned None).
+
+    `where[i]` is the file:line of completion i's prompt row, for errors.
+    """
+    n = len(completions)
+    per_fn = []
+    for f in fns:
+        try:
+            values = f.fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        except Exception as e:
+            row = _first_failing_row(f, prompts, completions, completion_ids, columns)
+            at = f"on the prompt at {where[row]}" if row is not None else f"on the batch of prompts at {_span(where)}"
+            raise RewardError(f"{f.key} raised {at}: {type(e).__name__}: {e}") from e
+        if not isinstance(values, (list, tuple)) or len(values) != n:
+            got = f"{len(values)} rewards" if isinstance(values, (list, tuple)) else f"a {type(values).__name__}"
+            raise RewardError(f"{f.key} returned {got} for {n} completions (prompts at {_span(where)}); "
+                              "it must return one reward per completion")
+        out = []
+        for i, v in enumerate(values):
+            if v is None:
+                out.append(math.nan)
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) and not hasattr(v, "__float__"):
+                raise RewardError(f"{f.key} returned {v!r} for completion {i} of the prompt at {where[i]}; "
+                                  "a reward is a number (or None where the function does not apply)")
+            v = float(v)
+            if not math.isfinite(v):
+                raise RewardError(f"{f.key} returned {v} for completion {i} of the prompt at {where[i]}; "
+                                  "a reward must be finite")
+            out.append(v)
+        per_fn.append(out)
+    totals = []
+    for i in range(n):
+        applied = [(f.weight, r[i]) for f, r in zip(fns, per_fn) if not math.isnan(r[i])]
+        if not applied:
+            raise RewardError(f"every reward function returned None for completion {i} of the prompt at {where[i]}")
+        totals.append(sum(w * r for w, r in applied))
+    return totals, per_fn
+
+
+def _first_failing_row(f: RewardFn, prompts, completions, completion_ids, columns) -> int | None:
+    """The first completion on which the function raises when called on it alone (None: only the batch fails)."""
+    for i in range(len(completions)):
+        try:
+            f.fn(prompts=prompts[i : i + 1], completions=completions[i : i + 1],
+                 completion_ids=completion_ids[i : i + 1], **{k: v[i : i + 1] for k, v in columns.items()})
+        except Exception:
+            return i
+    return None
+
+
+def _span(where: list[str]) -> str:
+    return where[0] if len(set(where)) == 1 else f"{where[0]} .. {where[-1]}"

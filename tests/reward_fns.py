@@ -1,0 +1,30 @@
+"""Reward functions for tests/test_online.py, named as "reward_fns:<name>" (tests/ is on sys.path)."""
+
+import math
+
+
+def length(prompts, completions, completion_ids, **columns):
+    return [float(len(ids)) for ids in completion_ids]
+
+
+def echo_columns(prompts, completions, completion_ids, **columns):
+    """The row's `target` column: proves every extra column reaches the function."""
+    return [float(t) for t in columns["target"]]
+
+
+def raises_on_seven(prompts, completions, completion_ids, **columns):
+    if any("7" in p for p in prompts):
+        raise ZeroDivisionError("seven")
+    return [0.0] * len(prompts)
+
+
+def one_short(prompts, completions, completion_ids, **columns):
+    return [0.0] * (len(prompts) - 1)
+
+
+def nan_on_seven(prompts, completions, completion_ids, **columns):
+    return [math.nan if "7" in p else 0.0 for p in prompts]
+
+
+def none_on_seven(prompts, completions, completion_ids, **columns):
+    return [None if "7" in p else 1.0 for p in prompts]
