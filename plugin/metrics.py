@@ -76,7 +76,7 @@ class GRPOStats:
         rewards, adv = pred.rewards.double(), pred.advantages.double()
         zero = torch.zeros((), dtype=torch.float64, device=mask.device)
         mismatch = mismatch_out = mismatch_tokens = zero
-        if pred.sampler_logprobs is not None:
+        if getattr(pred, "sampler_logprobs", None) is not None:
             # the sampler's log-probs against this pass's, on the completion tokens the sampler scored
             sampled = mask & ~pred.sampler_logprobs.isnan()
             diff = torch.where(sampled, pred.logprobs.detach() - pred.sampler_logprobs, 0.0).double()
