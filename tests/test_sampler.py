@@ -1,0 +1,330 @@
+"""The sampler: the KV-cached one draws the oracle's tokens, on 1 rank, TP=2 and FSDP=2, llama3 and qwen3.
+
+Each layout's ranks build the GRPO model as torchtitan's Trainer builds it (conftest.build_model)
+with the same seed, so every layout holds the same weights. Stop ids are tokens that the 1-rank
+sampler draws part-way through some sequences, so some completions stop and some are truncated.
+"""
+
+import random
+import statistics
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from conftest import build_model, run_ranks
+from plugin.sampler import KVCache, KVCacheSampler, NoCacheSampler, _mix, build_sampler, sample, uniforms
+
+SEQ_LEN = 48  # the RoPE table: [training] seq_len
+N = 12  # max_new_tokens
+TEMPERATURE = 0.8
+PAD = 0
+PROMPT_LENS = (1, 6, 2, 11, 4, 3, 7)  # odd and even, a 1-token prompt (nothing to prefill)
+KEYS = [random.Random(i).getrandbits(63) for i in range(len(PROMPT_LENS))]
+LOGPROB_ATOL = 1e-4  # fp32: cached vs oracle differ only in attention's summation order (seen: ~2e-6)
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, 2048, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def build(name: str, tp: int = 1, dp: int = 1, *overrides: str):
+    """The model on a TP x DP layout, holding the 1-rank model's weights (a sharded init draws others)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torchtitan.distributed import ParallelDims
+
+    pd = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=1, ep=1, etp=1, world_size=tp * dp)
+    args = ("--model.name", name, "--training.seq_len", str(SEQ_LEN), "--grpo.beta", "0", *overrides)
+    model, *_ = build_model(*args, "--parallelism.tensor_parallel_degree", str(tp),
+                            "--parallelism.data_parallel_shard_degree", str(dp), parallel_dims=pd)
+    if tp * dp > 1:
+        plain, *_ = build_model(*args, "--parallelism.tensor_parallel_degree", "1")
+        set_model_state_dict(model, plain.state_dict(), options=StateDictOptions(full_state_dict=True))
+    return model
+
+
+def draw(model, stop_ids, kv_cache: bool, share=slice(None)):
+    sampler = build_sampler(model, kv_cache=kv_cache, max_new_tokens=N, stop_ids=stop_ids, temperature=TEMPERATURE,
+                            pad_id=PAD)
+    return sampler.generate(prompts()[share], KEYS[share])
+
+
+def stop_ids_for(completions: list[list[int]]) -> list[int]:
+    """Two tokens drawn part-way through two sequences (and nowhere earlier in them)."""
+    picks = []
+    for seq, at in ((1, 4), (3, 8)):
+        token = completions[seq][at]
+        assert token not in completions[seq][:at]
+        picks.append(token)
+    return picks
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """1-rank results per model: stop ids, then cached and oracle samples with them."""
+    out = {}
+    for name in ("grpo_llama3", "grpo_qwen3"):
+        model = build(name)
+        stops = stop_ids_for(draw(model, [], kv_cache=True).completions)
+        out[name] = dict(stops=stops, cached=draw(model, stops, True), oracle=draw(model, stops, False))
+    return out
+
+
+def _layout_worker(rank, world_size, layout, names, stops, out):
+    tp, dp = layout
+    results = {}
+    for name in names:
+        model = build(name, tp, dp)
+        # DP ranks split the prompts unevenly: 5 and 2
+        share = slice(None) if dp == 1 else [slice(0, 5), slice(5, None)][dist.get_rank() // tp]
+        results[name] = dict(cached=draw(model, stops[name], True, share),
+                             oracle=draw(model, stops[name], False, share),
+                             swapped=[type(m).__name__ for m in model.modules() if isinstance(m, KVCache)])
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, results)
+    if rank == 0:
+        torch.save(gathered, out)
+
+
+def run_layout(tmp_path_factory, tp, dp, names, stops):
+    out = tmp_path_factory.mktemp(f"sampler_tp{tp}_dp{dp}") / "results.pt"
+    run_ranks(tp * dp, _layout_worker, (tp, dp), names, stops, str(out))
+    per_rank = torch.load(out, weights_only=False)
+    merged = {}
+    for name in names:
+        # TP peers hold the same samples: take one rank per DP rank, in DP order
+        firsts = [per_rank[r][name] for r in range(0, tp * dp, tp)]
+        merged[name] = {kind: _concat([f[kind] for f in firsts]) for kind in ("cached", "oracle")}
+        merged[name]["tp_peers_agree"] = all(per_rank[r][name]["cached"] == per_rank[r - r % tp][name]["cached"]
+                                             for r in range(tp * dp))
+        merged[name]["swapped"] = sum(len(r[name]["swapped"]) for r in per_rank)
+    return merged
+
+
+def _concat(parts):
+    from plugin.sampler import Samples
+
+    return Samples(*(sum((getattr(p, f) for p in parts), []) for f in ("completions", "logprobs", "truncated")))
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory, one_rank):
+    return run_layout(tmp_path_factory, 2, 1, ("grpo_llama3", "grpo_qwen3"),
+                      {n: r["stops"] for n, r in one_rank.items()})
+
+
+@pytest.fixture(scope="module")
+def fsdp2(tmp_path_factory, one_rank):
+    return run_layout(tmp_path_factory, 1, 2, ("grpo_llama3", "grpo_qwen3"),
+                      {n: r["stops"] for n, r in one_rank.items()})
+
+
+def max_logprob_diff(a, b) -> float:
+    """Over the tokens both drew alike."""
+    return max(abs(x - y) for ca, cb, la, lb in zip(a.completions, b.completions, a.logprobs, b.logprobs)
+               for x, y, s, t in zip(la, lb, ca, cb) if s == t)
+
+
+def assert_cached_matches_oracle(results, stops, what):
+    cached, oracle = results["cached"], results["oracle"]
+    assert cached.completions == oracle.completions, what
+    assert cached.truncated == oracle.truncated, what
+    assert [len(lp) for lp in cached.logprobs] == [len(c) for c in cached.completions]
+    diff = max_logprob_diff(cached, oracle)
+    print(f"{what}: max |cached - oracle| log-prob = {diff:.2e}")
+    assert diff <= LOGPROB_ATOL, what
+    for c, truncated in zip(cached.completions, cached.truncated):
+        # a completion ends at its first stop id, else runs to max_new_tokens
+        assert truncated == (c[-1] not in stops) and (len(c) == N if truncated else not set(c[:-1]) & set(stops))
+    assert any(cached.truncated) and not all(cached.truncated), f"{what}: want both stopped and truncated sequences"
+
+
+@pytest.mark.parametrize("name", ["grpo_llama3", "grpo_qwen3"])
+def test_cached_matches_oracle_one_rank(one_rank, name):
+    assert_cached_matches_oracle(one_rank[name], one_rank[name]["stops"], f"1 rank {name}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["grpo_llama3", "grpo_qwen3"])
+def test_cached_matches_oracle_tp2(tp2, one_rank, name):
+    assert_cached_matches_oracle(tp2[name], one_rank[name]["stops"], f"TP=2 {name}")
+    assert tp2[name]["tp_peers_agree"]
+    assert tp2[name]["swapped"] == 0  # every inner_attention restored
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["grpo_llama3", "grpo_qwen3"])
+def test_cached_matches_oracle_fsdp2(fsdp2, one_rank, name):
+    """Each DP rank samples its own share (5 and 2 prompts): their step counts differ, their collectives match."""
+    assert_cached_matches_oracle(fsdp2[name], one_rank[name]["stops"], f"FSDP=2 {name}")
+    assert fsdp2[name]["swapped"] == 0
+
+
+def mismatch_fraction(a, b) -> float:
+    return sum(x != y for x, y in zip(a.completions, b.completions)) / len(a.completions)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["grpo_llama3", "grpo_qwen3"])
+def test_layout_invariance(one_rank, tp2, fsdp2, name):
+    """The same prompts and keys draw the same completions on 1 rank, TP=2 and FSDP=2.
+
+    FSDP computes exactly what one rank does; TP sums partial products in another order,
+    which could flip a near-tie in Gumbel-max: allowed for at most one sequence in seven.
+    """
+    base = one_rank[name]["cached"]
+    fsdp, tp = mismatch_fraction(base, fsdp2[name]["cached"]), mismatch_fraction(base, tp2[name]["cached"])
+    print(f"{name}: completions differing from 1 rank: FSDP=2 {fsdp:.3f}, TP=2 {tp:.3f}; max log-prob diff "
+          f"FSDP=2 {max_logprob_diff(base, fsdp2[name]['cached']):.2e}, TP=2 {max_logprob_diff(base, tp2[name]['cached']):.2e}")
+    assert fsdp == 0
+    assert tp <= 1 / len(PROMPT_LENS)
+
+
+@pytest.mark.slow
+def test_tp2_fsdp2(tmp_path_factory, one_rank):
+    """4 ranks, TP=2 x FSDP=2 (llama3): cached matches the oracle and the 1-rank samples."""
+    stops = {"grpo_llama3": one_rank["grpo_llama3"]["stops"]}
+    results = run_layout(tmp_path_factory, 2, 2, ("grpo_llama3",), stops)["grpo_llama3"]
+    assert_cached_matches_oracle(results, stops["grpo_llama3"], "TP=2 x FSDP=2 grpo_llama3")
+    assert results["tp_peers_agree"] and results["swapped"] == 0
+    assert mismatch_fraction(one_rank["grpo_llama3"]["cached"], results["cached"]) <= 1 / len(PROMPT_LENS)
+
+
+# --- the noise --------------------------------------------------------------------------------------
+
+def splitmix64_finalizer(x: int) -> int:
+    """The reference: splitmix64's finalizer on Python ints mod 2**64."""
+    mask = (1 << 64) - 1
+    x &= mask
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+    return x ^ (x >> 31)
+
+
+def test_mix_is_splitmix64():
+    rng = random.Random(0)
+    values = [0, 1, (1 << 63) - 1, 1 << 63, (1 << 64) - 1] + [rng.getrandbits(64) for _ in range(1000)]
+    signed = torch.tensor([v - (1 << 64) if v >= 1 << 63 else v for v in values], dtype=torch.int64)
+    got = [v & ((1 << 64) - 1) for v in _mix(signed).tolist()]
+    assert got == [splitmix64_finalizer(v) for v in values]
+
+
+def test_noise_is_a_function_of_key_and_token_index():
+    keys = torch.tensor([5, 6, -3, 2**62], dtype=torch.int64)
+    u = uniforms(keys, 3, 1271)
+    assert u.shape == (4, 1271) and u.dtype == torch.float64 and 0 < u.min() and u.max() < 1
+    assert torch.equal(u, uniforms(keys, 3, 1271))
+    assert torch.equal(u[2:3], uniforms(keys[2:3], 3, 1271))  # the rest of the batch plays no part
+    assert torch.equal(u[:, :100], uniforms(keys, 3, 100))  # nor the vocab size
+    for other in (uniforms(keys, 4, 1271), uniforms(keys + 1, 3, 1271)):
+        assert (u != other).all()  # another token index or key: other draws throughout
+    assert len(set(u.flatten().tolist())) == u.numel()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_draws_follow_the_softmax(temperature):
+    """20,000 keys on fixed logits: a chi-square test against softmax(logits / temperature)."""
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+    n = 20_000
+    keys = torch.tensor(random.Random(7).sample(range(1 << 62), n), dtype=torch.int64)
+    tokens, logprobs = sample(logits.expand(n, -1), keys, 0, temperature)
+    probs = torch.softmax(logits / temperature, -1)
+    torch.testing.assert_close(logprobs, probs.log()[tokens], rtol=0, atol=1e-6)
+    counts = torch.bincount(tokens, minlength=len(logits)).double()
+    chi2 = ((counts - n * probs) ** 2 / (n * probs)).sum().item()
+    assert chi2 < 30  # 6 degrees of freedom: P(chi2 > 30) ~ 4e-5
+    # the token index draws afresh: step 1 agrees with step 0 about as often as chance says
+    again, _ = sample(logits.expand(n, -1), keys, 1, temperature)
+    assert abs((again == tokens).double().mean().item() - (probs**2).sum().item()) < 0.02
+
+
+# --- errors and cleanliness, 1 rank ------------------------------------------------------------------
+
+def test_prompt_too_long_for_rope_table_names_it():
+    model = build("grpo_llama3")
+    sampler = KVCacheSampler(model, max_new_tokens=N, stop_ids=[], temperature=1.0, pad_id=PAD)
+    fits = [1] * (SEQ_LEN + 1 - N)  # its last new token is drawn from position SEQ_LEN - 1
+    assert len(sampler.generate([fits], [0]).completions[0]) == N
+    with pytest.raises(ValueError, match=r"prompt 2 has 38 tokens: it needs 1 to 37 .* max_seq_len"):
+        sampler.generate([[1, 2], fits, fits + [1]], [0, 1, 2])
+    with pytest.raises(ValueError, match="prompt 0 has 0 tokens"):
+        sampler.generate([[]], [0])
+    with pytest.raises(ValueError, match="2 prompts but 1 keys"):
+        sampler.generate([[1], [2]], [0])
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        NoCacheSampler(model, max_new_tokens=0, stop_ids=[], temperature=1.0, pad_id=PAD)
+
+
+def test_modules_restored_after_a_failed_step():
+    model = build("grpo_llama3")
+    inner = [type(b.attention.inner_attention) for b in model.layers.values()]
+    calls = 0
+
+    def fail_at_third_step(module, args, kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise RuntimeError("boom")
+
+    handle = model.register_forward_pre_hook(fail_at_third_step, with_kwargs=True)
+    with pytest.raises(RuntimeError, match="boom"):
+        draw(model, [], kv_cache=True)
+    handle.remove()
+    assert [type(b.attention.inner_attention) for b in model.layers.values()] == inner
+    assert torch.is_grad_enabled()
+
+
+def test_compiled_blocks_generate_eagerly(one_rank):
+    """fullgraph-compiled blocks: no tracing during generation, the same samples as the uncompiled model."""
+    from torch._dynamo.utils import counters
+
+    model = build("grpo_llama3", 1, 1, "--compile.enable", "--compile.components", "model", "--compile.backend",
+                  "eager")
+    assert type(model.layers["0"]).__name__ == "OptimizedModule"
+    torch._dynamo.reset()
+    frames = counters["stats"]["unique_graphs"]
+    got = draw(model, one_rank["grpo_llama3"]["stops"], kv_cache=True)
+    assert counters["stats"]["unique_graphs"] == frames
+    assert got.completions == one_rank["grpo_llama3"]["cached"].completions
+
+
+# --- FSDP: the training step after generation ----------------------------------------------------------
+
+def _train_after_generation(rank, world_size, out):
+    # "always": the head's group (on two modules) reshards after forward too, a setting to restore
+    model = build("grpo_llama3", 1, 2, "--parallelism.fsdp_reshard_after_forward", "always")
+    g = torch.Generator().manual_seed(rank)
+    tokens = torch.randint(0, 2048, (2, 16), generator=g)
+
+    def grads():
+        model.zero_grad()
+        model(tokens).float().logsumexp(-1).mean().backward()
+        return {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+
+    def policies():
+        return [[g.post_forward_mesh_info for g in m._get_fsdp_state()._fsdp_param_groups]
+                for m in model.modules() if isinstance(m, FSDPModule)]
+
+    before, policy = grads(), policies()
+    assert all(info is not None for infos in policy for info in infos)
+    draw(model, [], kv_cache=True, share=slice(rank * 3, rank * 3 + 3))
+    draw(model, [], kv_cache=False, share=slice(0, 2 if rank == 0 else 0))  # rank 1 has no prompts at all
+    assert policies() == policy
+    assert len(model._get_fsdp_state()._comm_ctx.post_forward_order) == 0
+    # every parameter is back to its shard
+    assert all(isinstance(p, DTensor) and p.to_local().numel() < p.numel() for p in model.parameters())
+    after = grads()
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    # a prompt on rank 1 too long for the table: both ranks raise instead of waiting on each other
+    bad = [[1] * (SEQ_LEN if rank == 1 else 2)]
+    with pytest.raises(ValueError, match="prompt 0 has 48" if rank == 1 else "another rank"):
+        KVCacheSampler(model, max_new_tokens=N, stop_ids=[], temperature=1.0, pad_id=PAD).generate(bad, [0])
+
+
+@pytest.mark.slow
+def test_fsdp_training_step_unchanged_by_generation(tmp_path):
+    """After generating (cached, then uncached with one rank empty), FSDP's state is as before: same gradients."""
+    run_ranks(2, _train_after_generation, str(tmp_path))
