@@ -28,3 +28,8 @@ def nan_on_seven(prompts, completions, completion_ids, **columns):
 
 def none_on_seven(prompts, completions, completion_ids, **columns):
     return [None if "7" in p else 1.0 for p in prompts]
+
+
+def even_ids(prompts, completions, completion_ids, **columns):
+    """A graded reward that even a random policy's samples spread: the share of even token ids."""
+    return [sum(t % 2 == 0 for t in ids) / len(ids) for ids in completion_ids]

@@ -1,0 +1,130 @@
+"""Online GRPO end to end under torchrun: layouts draw the same completions, replays clip, resume is exact."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, check, scalars_by_step, torchrun
+
+CONFIG = "train_configs/online_cpu.toml"
+# a graded reward from tests/reward_fns.py: a random policy's groups already differ, so the loss is not 0
+ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")]))}
+SMALL = ("--online.reward_funcs", "reward_fns:even_ids", "--online.num_generations", "4",
+         "--online.max_new_tokens", "6", "--training.seq_len", "20", "--online.log_completions")
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    rows = [{"prompt": f"Q: {a} {b} + {c} =", "answer": a * 10 + b + c} for a, b, c in
+            [(1, 2, 3), (4, 5, 6), (7, 8, 9), (2, 4, 6), (3, 5, 7), (9, 1, 2), (8, 6, 4), (5, 5, 5)]]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def launch(dump: Path, seed: Path, prompts: Path, nproc: int, steps: int, *extra: str):
+    proc = torchrun(nproc, CONFIG, "--job.dump_folder", str(dump), "--training.steps", str(steps),
+                    "--training.dataset_path", str(prompts), "--checkpoint.enable",
+                    "--checkpoint.initial_load_path", str(seed), "--checkpoint.interval", "1000", *SMALL, *extra,
+                    env=ENV)
+    check(proc)
+    return proc
+
+
+def completions(dump: Path, batch: int = 0) -> dict[tuple[str, int], list[int]]:
+    """(prompt row, member) -> completion ids of one sampled batch, over every DP rank's log."""
+    out = {}
+    for f in sorted((dump / "completions").glob(f"batch-{batch:06d}-dp*.jsonl")):
+        seen: dict[str, int] = {}
+        for line in f.read_text().splitlines():
+            row = json.loads(line)
+            m = seen[row["where"]] = seen.get(row["where"], -1) + 1
+            out[row["where"], m] = row["completion_ids"]
+    return out
+
+
+LAYOUTS = {
+    "1 rank": (1, "--parallelism.tensor_parallel_degree", "1"),
+    "TP=2": (2,),
+    "FSDP=2": (2, "--parallelism.tensor_parallel_degree", "1", "--training.local_batch_size", "16",
+               "--training.global_batch_size", "32"),
+    "1 rank, grad accumulation 2": (1, "--parallelism.tensor_parallel_degree", "1", "--training.local_batch_size",
+                                    "16", "--training.global_batch_size", "32"),
+}
+
+
+@pytest.fixture(scope="module")
+def layout_runs(tmp_path_factory, seed_checkpoint, prompts) -> dict[str, Path]:
+    runs = {}
+    for name, (nproc, *flags) in LAYOUTS.items():
+        runs[name] = tmp_path_factory.mktemp(name.replace(" ", "_").replace(",", "").replace("=", ""))
+        # 8 groups of 4 = 32 completions per batch; one step
+        launch(runs[name], seed_checkpoint, prompts, nproc, 1, "--training.local_batch_size", "32", *flags)
+    return runs
+
+
+def test_every_layout_draws_the_same_completions_and_loss(layout_runs):
+    base = completions(layout_runs["1 rank"])
+    assert len(base) == 32
+    base_tags = scalars_by_step(layout_runs["1 rank"])
+    assert base_tags["online/reward/even_ids_std"][1] > 0  # the groups differ: the loss has something to do
+    for name, dump in layout_runs.items():
+        other = completions(dump)
+        assert set(other) == set(base), name
+        same = sum(other[k] == base[k] for k in base) / len(base)
+        print(f"{name}: {same:.0%} of completions identical to 1 rank")
+        assert same == 1.0, name
+        tags = scalars_by_step(dump)
+        for tag in ("loss_metrics/global_avg_loss", "grpo/reward_mean", "grpo/advantage_std"):
+            assert tags[tag][1] == pytest.approx(base_tags[tag][1], rel=1e-4, abs=1e-7), (name, tag)
+
+
+def test_online_metrics_are_logged(layout_runs):
+    tags = scalars_by_step(layout_runs["TP=2"])
+    for tag in ("online/generation_time(s)", "online/generation_share", "online/generated_tokens_per_s",
+                "online/completion_length_mean", "online/completion_length_max", "online/truncated_fraction",
+                "online/reward/even_ids_mean", "online/reward/even_ids_std", "online/logprob_mismatch"):
+        assert tag in tags, tag
+    assert 0 < tags["online/generation_share"][1] < 1
+    assert tags["online/completion_length_max"][1] <= 6
+    assert tags["online/logprob_mismatch"][1] < 1e-4  # fp32: the sampler and the trainer agree
+
+
+MU_STEPS, MU_AT = 4, 3  # num_iterations = 2: batch 1's first step is step 3, its replay step 4
+
+
+@pytest.fixture(scope="module")
+def mu_runs(tmp_path_factory, seed_checkpoint, prompts) -> dict[str, Path]:
+    flags = ("--online.num_iterations", "2", "--optimizer.lr", "1e-2", "--lr_scheduler.total_steps", str(MU_STEPS),
+             "--checkpoint.interval", str(MU_AT), "--checkpoint.no-last-save-model-only",
+             "--parallelism.tensor_parallel_degree", "2", "--grpo.beta", "0.04")
+    straight, split = tmp_path_factory.mktemp("mu_straight"), tmp_path_factory.mktemp("mu_split")
+    launch(straight, seed_checkpoint, prompts, 2, MU_STEPS, *flags)
+    launch(split, seed_checkpoint, prompts, 2, MU_AT, *flags)
+    second = launch(split, seed_checkpoint, prompts, 2, MU_STEPS, *flags)
+    return {"straight": straight, "split": split, "second_log": second.stdout + second.stderr}
+
+
+def test_replays_start_at_ratio_one_and_then_clip(mu_runs):
+    tags = scalars_by_step(mu_runs["straight"])
+    for step in (1, 3):  # a batch's first step: old log-probs are this very pass's
+        assert tags["grpo/ratio_mean"][step] == 1.0 and tags["grpo/clip_fraction"][step] == 0.0
+        assert "online/generation_time(s)" in {t for t, v in tags.items() if step in v}
+    for step in (2, 4):  # the replay: the policy moved, and the clip is active
+        assert tags["grpo/ratio_mean"][step] != 1.0 and tags["grpo/clip_fraction"][step] > 0
+        assert step not in tags.get("online/generation_time(s)", {})  # nothing sampled
+    assert sorted(p.name for p in (mu_runs["straight"] / "completions").iterdir()) == \
+        ["batch-000000-dp0.jsonl", "batch-000001-dp0.jsonl"]
+
+
+def test_resume_mid_replay_is_bitwise(mu_runs):
+    straight, split = (scalars_by_step(mu_runs[k]) for k in ("straight", "split"))
+    assert sorted(split["loss_metrics/global_avg_loss"]) == list(range(1, MU_STEPS + 1))
+    for tag in ("loss_metrics/global_avg_loss", "grad_norm", "grpo/kl", "grpo/reward_mean", "grpo/ratio_mean",
+                "grpo/clip_fraction"):
+        assert split[tag] == straight[tag], tag
+    assert straight["grpo/kl"][4] > 0
+    # the resumed launch replayed the saved batch: it sampled nothing before step 4
+    assert not (mu_runs["split"] / "completions" / "batch-000002-dp0.jsonl").exists()
