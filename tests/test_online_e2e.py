@@ -128,3 +128,17 @@ def test_resume_mid_replay_is_bitwise(mu_runs):
     assert straight["grpo/kl"][4] > 0
     # the resumed launch replayed the saved batch: it sampled nothing before step 4
     assert not (mu_runs["split"] / "completions" / "batch-000002-dp0.jsonl").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--online.reward_funcs", "no_such_module:reward"),
+     "[online] reward_funcs[0] = 'no_such_module:reward': cannot import module 'no_such_module'"),
+    (("--online.max_new_tokens", "18"), "prompts.jsonl:1: the prompt is"),
+    (("--online.reward_funcs", "reward_fns:raises_on_seven"), "raised on the prompt at "),
+])
+def test_bad_input_stops_the_run_with_a_named_error(tmp_path, prompts, flags, message):
+    proc = torchrun(1, CONFIG, "--job.dump_folder", str(tmp_path), "--training.steps", "1",
+                    "--training.dataset_path", str(prompts), "--parallelism.tensor_parallel_degree", "1",
+                    *SMALL, *flags, env=ENV)
+    assert proc.returncode != 0
+    assert message in proc.stdout + proc.stderr
