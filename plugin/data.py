@@ -40,11 +40,12 @@ class Rollouts:
     included, so bf16 params would round advantages, loss weights and behaviour log-probs.
     """
 
-    __slots__ = ("advantages", "rewards", "loss_weights", "old_logprobs", "sampler_logprobs", "keep_logprobs")
+    __slots__ = ("advantages", "rewards", "loss_weights", "old_logprobs", "sampler_logprobs", "keep_logprobs",
+                 "ref_logprobs")
 
     def __init__(self, advantages: torch.Tensor, rewards: torch.Tensor, loss_weights: torch.Tensor,
                  old_logprobs: torch.Tensor | None = None, sampler_logprobs: torch.Tensor | None = None,
-                 keep_logprobs: bool = False):
+                 keep_logprobs: bool = False, ref_logprobs: torch.Tensor | None = None):
         self.advantages = advantages  # [B] fp32
         self.rewards = rewards  # [B] fp32
         self.loss_weights = loss_weights  # [B] fp32, see loss_weights()
@@ -54,6 +55,9 @@ class Rollouts:
         # online mode with num_iterations > 1: the model stores this pass's detached log-probs in
         # old_logprobs, the old log-probs of the batch's replays (plugin.online)
         self.keep_logprobs = keep_logprobs
+        # the reference's log-probs from the rollout file, given for every completion token of the
+        # microbatch: the model then skips the reference pass; None: the reference model scores it
+        self.ref_logprobs = ref_logprobs  # [B, T] aligned with labels, 0 outside the completions
 
     def to(self, device: torch.device) -> "Rollouts":
         move = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
@@ -211,6 +215,9 @@ class Collate:
         labels = torch.full((n, self.seq_len), IGNORE_INDEX, dtype=torch.long)
         # only when a row has them: None keeps the loss on-policy without a [B, T] tensor of NaN
         old_logprobs = torch.full((n, self.seq_len), math.nan) if any(c.logprobs for c in batch) else None
+        # all or nothing: one unknown token (a null, an appended EOS) and the reference model scores the microbatch
+        given_ref = all(c.ref_logprobs and not any(map(math.isnan, c.ref_logprobs)) for c in batch)
+        ref_logprobs = torch.zeros(n, self.seq_len) if given_ref and not self.sampled else None
         for i, c in enumerate(batch):
             seq = torch.tensor(c.tokens, dtype=torch.long)
             inputs[i, : len(seq) - 1] = seq[:-1]
@@ -218,10 +225,12 @@ class Collate:
             labels[i, c.prompt_len - 1 : len(seq) - 1] = seq[c.prompt_len :]
             if c.logprobs:
                 old_logprobs[i, c.prompt_len - 1 : len(seq) - 1] = torch.tensor(c.logprobs)
+            if ref_logprobs is not None:
+                ref_logprobs[i, c.prompt_len - 1 : len(seq) - 1] = torch.tensor(c.ref_logprobs)
         if self.sampled:
             rollouts = Rollouts(adv[rows], rewards[rows], weights[rows], sampler_logprobs=old_logprobs)
         else:
-            rollouts = Rollouts(adv[rows], rewards[rows], weights[rows], old_logprobs)
+            rollouts = Rollouts(adv[rows], rewards[rows], weights[rows], old_logprobs, ref_logprobs=ref_logprobs)
         return {"input": inputs, "labels": labels, "rollouts": rollouts}, labels
 
 

@@ -85,10 +85,12 @@ def maybe_compiled(fn, enabled: bool, backend: str = "inductor"):
     return _compiled[fn, backend]
 
 
-def _score_chunk(head, h, labels, temperature, compiled, backend, entropy_grad):
-    """Log-probs and entropy of one chunk; its logits live only inside this call."""
+def _score_chunk(head, h, labels, temperature, compiled, backend, entropy_grad, with_entropy=True):
+    """Log-probs and entropy (None without `with_entropy`) of one chunk; its logits live only inside this call."""
     logits = head(h)  # [B, k, V], or a Shard(-1) DTensor under loss_parallel
     logprobs = maybe_compiled(compute_logprobs, compiled, backend)(logits, labels, temperature)
+    if not with_entropy:
+        return logprobs, None
     # entropy is a logged statistic unless the loss has an entropy bonus
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = maybe_compiled(compute_entropy, compiled, backend)(logits if entropy_grad else logits.detach(),
@@ -107,7 +109,8 @@ def chunked_logprobs(
     compiled: bool = False,
     backend: str = "inductor",
     entropy_grad: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    with_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[B, T] log-probs of `labels` and entropies from trunk states, scoring one sequence chunk at a time.
 
     Args:
@@ -118,6 +121,7 @@ def chunked_logprobs(
         seq_shards: ranks the sequence is sharded over (the TP degree under sequence parallelism).
         compiled, backend: torch.compile the log-prob and entropy computation with this backend ([compile] backend).
         entropy_grad: let gradients flow through the entropy (for an entropy bonus).
+        with_entropy: compute the entropy at all (the reference's pass does not); None in its place otherwise.
     """
     B, T = labels.shape
     S, T_local = seq_shards, hidden.shape[1]
@@ -136,12 +140,13 @@ def chunked_logprobs(
         labels_c = labels_by_shard[:, :, start : start + k].reshape(B, -1)
         if recompute:
             lp, ent = checkpoint(_score_chunk, head, h_c, labels_c, temperature, compiled, backend, entropy_grad,
-                                 use_reentrant=False)
+                                 with_entropy, use_reentrant=False)
         else:
-            lp, ent = _score_chunk(head, h_c, labels_c, temperature, compiled, backend, entropy_grad)
+            lp, ent = _score_chunk(head, h_c, labels_c, temperature, compiled, backend, entropy_grad, with_entropy)
         logprobs.append(lp.view(B, S, -1))
-        entropy.append(ent.view(B, S, -1))
-    return torch.cat(logprobs, dim=2).view(B, T), torch.cat(entropy, dim=2).view(B, T)
+        if with_entropy:
+            entropy.append(ent.view(B, S, -1))
+    return torch.cat(logprobs, dim=2).view(B, T), torch.cat(entropy, dim=2).view(B, T) if with_entropy else None
 
 
 def isolate_compile_cache(rank: int) -> None:

@@ -31,7 +31,7 @@ class PolicyOutput:
     """What the model hands to the loss: per-token log-probs and the batch's per-completion data."""
 
     logprobs: torch.Tensor  # [B, T] fp32, requires grad
-    entropy: torch.Tensor  # [B, T] fp32; carries a gradient only with an entropy bonus
+    entropy: torch.Tensor | None  # [B, T] fp32; carries a gradient only with an entropy bonus; None: not computed
     ref_logprobs: torch.Tensor | None = None  # [B, T] fp32; None when beta = 0
     old_logprobs: torch.Tensor | None = None  # [B, T] behaviour log-probs, NaN where unknown; None: on-policy
     advantages: torch.Tensor | None = None  # [B]
@@ -49,6 +49,7 @@ class ScoringConfig:
     compile: bool = False
     compile_backend: str = "inductor"
     entropy_grad: bool = False  # the entropy bonus needs its gradient
+    entropy: bool = True  # compute it at all: the reference's pass uses only its log-probs
     head_reshard_after_forward: bool = False  # the FSDP policy of the head's group, see head_comms_once
 
 
@@ -74,7 +75,12 @@ class GRPOModel:
             return super().forward(tokens, **kwargs)
         ref_logprobs = None
         if self.reference is not None and with_reference:
-            ref_logprobs = self.reference.logprobs(self, tokens, labels, self.grpo_stats, **kwargs)
+            if rollouts is not None and rollouts.ref_logprobs is not None:
+                # the rollouts carry the reference's log-probs for every completion token: no reference pass
+                self.reference.load_once(self, tokens.device)
+                ref_logprobs = rollouts.ref_logprobs.to(tokens.device)
+            else:
+                ref_logprobs = self.reference.logprobs(self, tokens, labels, self.grpo_stats, **kwargs)
         logprobs, entropy = self.score(tokens, labels, **kwargs)
         if rollouts is None:  # the reference's own call: only log-probs are asked for
             return PolicyOutput(logprobs, entropy)
@@ -85,14 +91,14 @@ class GRPOModel:
         return PolicyOutput(logprobs, entropy, ref_logprobs, r.old_logprobs, r.advantages, r.rewards, r.loss_weights,
                             self.grpo_stats, r.sampler_logprobs)
 
-    def score(self, tokens: torch.Tensor, labels: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, T] log-probs of `labels` and entropies under this model."""
+    def score(self, tokens: torch.Tensor, labels: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[B, T] log-probs of `labels` and entropies (None when scoring.entropy is off) under this model."""
         cfg = self.scoring
         hidden = self.hidden_states(tokens, **kwargs)
         with head_comms_once(self, chunked=cfg.chunk_size > 0) as head:
             return chunked_logprobs(hidden, labels, head, temperature=cfg.temperature, chunk_size=cfg.chunk_size,
                                     seq_shards=cfg.seq_shards, compiled=cfg.compile, backend=cfg.compile_backend,
-                                    entropy_grad=cfg.entropy_grad)
+                                    entropy_grad=cfg.entropy_grad, with_entropy=cfg.entropy)
 
     def to_empty(self, *, device, recurse: bool = True):
         super().to_empty(device=device, recurse=recurse)
@@ -220,7 +226,7 @@ def build_grpo_parallelize_fn(base_parallelize: Callable) -> Callable:
         )
         model.grpo_stats = GRPOStats(job_config.grpo.on_nonfinite)
         if reference is not None:
-            reference.module.scoring = ScoringConfig(compile=job_config.reference_model.compile,
+            reference.module.scoring = ScoringConfig(compile=job_config.reference_model.compile, entropy=False,
                                                      head_reshard_after_forward=True, **common)
             model.reference = reference
         if job_config.online.enable:

@@ -103,14 +103,19 @@ class Reference:
     @torch.no_grad()
     def logprobs(self, policy: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, stats, **kwargs) -> torch.Tensor:
         """[B, T] log-probs of `labels` under the reference; its first call loads its weights."""
-        if not self.loaded:
-            with self.on_device(tokens.device):
-                self.load(policy)
+        self.load_once(policy, tokens.device)
         # the offload's transfers count toward the pass's time and peak memory
         with stats.reference_pass(tokens.device), self.on_device(tokens.device):
             logprobs = self.module(tokens, labels=labels, **kwargs).logprobs
             end_forward_only_iteration(self.module)
         return logprobs
+
+    def load_once(self, policy: nn.Module, device: torch.device) -> None:
+        """The start-up weights at the first forward, also one whose reference log-probs came with the
+        rollouts: a later pass, a sync or a checkpoint must see the policy's initial weights."""
+        if not self.loaded:
+            with self.on_device(device):
+                self.load(policy)
 
     def load(self, policy: nn.Module) -> None:
         """The start-up weights: [reference_model] checkpoint_path, else the policy's."""

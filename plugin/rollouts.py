@@ -31,7 +31,7 @@ from torchtitan.tools.logging import logger
 FORMATS = ("jsonl", "parquet")
 SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
 FIELDS = ("prompt", "prompt_ids", "completion", "completion_ids", "reward", "group",
-          "completions", "completions_ids", "rewards", "logprobs")
+          "completions", "completions_ids", "rewards", "logprobs", "ref_logprobs")
 GROUPED_FIELDS = ("completions", "completions_ids", "rewards")  # any of these: the file has grouped rows
 MAX_QUOTED = 5  # problems quoted in the log when rows are skipped
 PARQUET_BATCH_ROWS = 1024
@@ -51,6 +51,7 @@ class Completion:
     prompt_len: int
     reward: float
     logprobs: list[float] | None = None  # behaviour log-prob per completion token, NaN where unknown
+    ref_logprobs: list[float] | None = None  # the reference model's, NaN where unknown
 
 
 def _number(value, name: str) -> float:
@@ -88,7 +89,7 @@ def _one_of(row: dict, text_name: str, ids_name: str) -> tuple[object, str, bool
 
 
 def _logprobs(value, name: str, given: int, total: int) -> list[float]:
-    """Behaviour log-probs for `given` row tokens, NaN-padded to `total` (an appended EOS has none)."""
+    """Behaviour (or reference) log-probs for `given` row tokens, NaN-padded to `total` (an appended EOS has none)."""
     value = _list(value, name)
     if len(value) not in (given, total):
         extra = f" ({total} with the appended EOS)" if total != given else ""
@@ -163,7 +164,7 @@ class Encoder:
         return ids
 
     def completion(self, prompt: list[int], value, name: str, is_ids: bool, reward: float, logprobs,
-                   logprobs_name: str) -> Completion:
+                   logprobs_name: str, ref_logprobs=None, ref_logprobs_name: str = "ref_logprobs") -> Completion:
         """Token ids as given, or text tokenized with EOS appended."""
         if is_ids:
             ids = self._ids(value, name)
@@ -182,12 +183,14 @@ class Encoder:
             raise _Bad(f"field '{name}': prompt + completion is {len(prompt) + len(ids)} tokens, "
                        f"more than [training] seq_len + 1 = {self.seq_len + 1}")
         behaviour = None if logprobs is None else _logprobs(logprobs, logprobs_name, given, len(ids))
-        return Completion(prompt + ids, len(prompt), reward, behaviour)
+        ref = None if ref_logprobs is None else _logprobs(ref_logprobs, ref_logprobs_name, given, len(ids))
+        return Completion(prompt + ids, len(prompt), reward, behaviour, ref)
 
     def flat(self, row: dict) -> Completion:
         reward = _number(row.get("reward"), "reward")
         value, name, is_ids = _one_of(row, "completion", "completion_ids")
-        return self.completion(self.prompt(row), value, name, is_ids, reward, row.get("logprobs"), "logprobs")
+        return self.completion(self.prompt(row), value, name, is_ids, reward, row.get("logprobs"), "logprobs",
+                               row.get("ref_logprobs"))
 
     def grouped(self, row: dict) -> list[Completion]:
         value, name, is_ids = _one_of(row, "completions", "completions_ids")
@@ -197,13 +200,17 @@ class Encoder:
         if len(rewards) != len(items):
             raise _Bad(f"field 'rewards' has {len(rewards)} values for {len(items)} completions")
         rewards = [_number(r, f"rewards[{k}]") for k, r in enumerate(rewards)]
-        logprobs = row.get("logprobs")
-        if logprobs is not None and len(_list(logprobs, "logprobs")) != len(items):
-            raise _Bad(f"field 'logprobs' has {len(logprobs)} lists for {len(items)} completions")
+        per_completion = {}
+        for field in ("logprobs", "ref_logprobs"):
+            lists = row.get(field)
+            if lists is not None and len(_list(lists, field)) != len(items):
+                raise _Bad(f"field '{field}' has {len(lists)} lists for {len(items)} completions")
+            per_completion[field] = lists or [None] * len(items)
+        logprobs, ref_logprobs = per_completion["logprobs"], per_completion["ref_logprobs"]
         prompt = self.prompt(row)
         return [
-            self.completion(prompt, item, f"{name}[{k}]", is_ids, rewards[k],
-                            None if logprobs is None else logprobs[k], f"logprobs[{k}]")
+            self.completion(prompt, item, f"{name}[{k}]", is_ids, rewards[k], logprobs[k], f"logprobs[{k}]",
+                            ref_logprobs[k], f"ref_logprobs[{k}]")
             for k, item in enumerate(items)
         ]
 

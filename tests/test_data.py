@@ -143,6 +143,37 @@ def test_behaviour_logprobs_align_with_labels(tmp_path, tokenizer):
     assert inputs["rollouts"].old_logprobs is None
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["flat", "grouped"])
+def test_reference_logprobs_align_with_labels(tmp_path, tokenizer, grouped):
+    """`ref_logprobs` reaches the Rollouts only when every token of every completion has one."""
+    ids = tokenizer.encode(" 3\n", add_bos=False, add_eos=False)
+    rows = [
+        flat(0, 1.0, ref_logprobs=[-0.5, -0.75, -0.125]),  # EOS included
+        flat(0, 0.0, ref_logprobs=[-0.25, -0.375, -1.5]),
+        flat(1, 1.0, ref_logprobs=[-1.0, -2.0]),  # the appended EOS has none
+        flat(1, 0.0, ref_logprobs=[-1.0, None, -2.0]),  # a null: unknown
+    ]
+    idx = index(write(tmp_path / "r.jsonl", as_grouped_with(rows, "ref_logprobs") if grouped else rows), tokenizer)
+    batch = idx.read(np.arange(4))
+    assert [len(c.ref_logprobs) for c in batch] == [len(ids) + 1] * 4
+    collate = Collate(16, 1, GRPO(), 2)
+    rewards, lens = torch.from_numpy(idx.rewards), torch.from_numpy(idx.lengths).long()
+    inputs, labels = collate(rewards, lens, [0, 1], batch[:2])
+    ref, mask = inputs["rollouts"].ref_logprobs, labels != IGNORE_INDEX
+    assert ref[0, mask[0]].tolist() == [-0.5, -0.75, -0.125] and ref[1, mask[1]].tolist() == [-0.25, -0.375, -1.5]
+    assert (ref[~mask] == 0).all()
+    for rows_ in ([2, 3], [0, 2], [0, 3]):  # one token without a value: the reference model scores the microbatch
+        inputs, _ = collate(rewards, lens, rows_, [batch[i] for i in rows_])
+        assert inputs["rollouts"].ref_logprobs is None
+
+
+def as_grouped_with(rows, field):
+    grouped = as_grouped(rows)
+    for g in grouped:
+        g[field] = [r[field] for r in rows if r["group"] == g["group"]]
+    return grouped
+
+
 # ---- validation: every problem, raised with file:line and field, or skipped and counted ----
 
 TOO_LONG = " 3" * 40
@@ -159,6 +190,9 @@ BAD_ROWS = [
     ({**ROWS[1], "completion": TOO_LONG}, "field 'completion': prompt + completion is 48 tokens, more than [training] seq_len + 1 = 33"),
     ({**ROWS[1], "logprobs": [-1.0]}, "field 'logprobs' has 1 values, the completion has 2 tokens (3 with the appended EOS)"),
     ({**ROWS[1], "logprobs": [-1.0, math.inf]}, "field 'logprobs' holds inf, not a finite log-prob"),
+    ({**ROWS[1], "ref_logprobs": [-1.0]}, "field 'ref_logprobs' has 1 values, the completion has 2 tokens (3 with the appended EOS)"),
+    ({**ROWS[1], "ref_logprobs": [-1.0, math.inf]}, "field 'ref_logprobs' holds inf, not a finite log-prob"),
+    ({**ROWS[1], "ref_logprobs": "-1.0"}, "field 'ref_logprobs' has type str, not a list"),
     ({**ROWS[1], "prompt_ids": [0, 1]}, "fields 'prompt' and 'prompt_ids' are both given"),
     ("{not json", "not valid JSON"),
     ("[1, 2]", "expected a JSON object, got list"),
@@ -211,6 +245,8 @@ GROUPED_BAD = [
     ({**as_grouped(ROWS)[1], "completions": " 5\n"}, "field 'completions' has type str, not a list"),
     ({**as_grouped(ROWS)[1], "completions": [" 5\n", TOO_LONG]}, "field 'completions[1]': prompt + completion is"),
     ({**as_grouped(ROWS)[1], "logprobs": [[-1.0]]}, "field 'logprobs' has 1 lists for 2 completions"),
+    ({**as_grouped(ROWS)[1], "ref_logprobs": [[-1.0]]}, "field 'ref_logprobs' has 1 lists for 2 completions"),
+    ({**as_grouped(ROWS)[1], "ref_logprobs": [[-1.0, True], [-1.0]]}, "field 'ref_logprobs[0]' holds True"),
 ]
 
 

@@ -118,6 +118,66 @@ def test_beta_zero_builds_and_runs_no_reference():
         assert model.grpo_stats.sums["ref_passes"] == passes
 
 
+def test_reference_logprobs_in_the_rollouts_replace_the_reference_pass():
+    """Rollouts carrying the reference's log-probs: no reference pass runs, and the loss and its gradients are
+    those of the pass that computes the same values."""
+    from plugin.data import Rollouts
+    from plugin.loss import build_grpo_loss
+
+    model, cfg, *_ = build("--grpo.entropy_coef", "0.01")
+    loss_fn = build_grpo_loss(cfg)
+    tokens, labels = batch()
+    labels[:, :6] = -100
+    model.reference.load_once(model, tokens.device)
+    with torch.no_grad():  # a reference away from the policy, so KL and its gradient are not 0
+        g = torch.Generator().manual_seed(1)
+        for p in model.reference.module.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    stats = model.grpo_stats
+    computed = model.reference.logprobs(model, tokens, labels, stats)
+
+    def step(ref_logprobs):
+        model.zero_grad(set_to_none=True)
+        stats.reset()
+        rollouts = Rollouts(torch.tensor([1.0, -1.0, 0.5, -0.5]), torch.tensor([1.0, 0.0, 1.0, 0.0]),
+                            torch.tensor([1.0, 0.5, 2.0, 1.0]), ref_logprobs=ref_logprobs)
+        pred = model(tokens, labels=labels, rollouts=rollouts)
+        loss = loss_fn(pred, labels)
+        loss.backward()
+        assert stats.device_sums[1] > 0  # the KL sum
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, stats.sums["ref_passes"]
+
+    loss, grads, passes = step(None)
+    given_loss, given_grads, given_passes = step(torch.where(labels == -100, 0.0, computed))
+    assert (passes, given_passes) == (1, 0)
+    assert stats.sums["ref_time"] == 0 and stats.peaks["ref_peak_mem"] == 0
+    assert torch.equal(given_loss, loss)
+    for name, grad in grads.items():
+        torch.testing.assert_close(given_grads[name], grad, rtol=0, atol=0, msg=name)
+
+
+def test_first_forward_loads_the_reference_also_without_its_pass():
+    """A run whose first batches carry reference log-probs still starts the reference at the policy's weights."""
+    from plugin.data import Rollouts
+
+    model, *_ = build()
+    tokens, labels = batch()
+    initial = flat(model)
+    rollouts = Rollouts(torch.zeros(4), torch.zeros(4), torch.ones(4), ref_logprobs=torch.zeros(4, 16))
+    model(tokens, labels=labels, rollouts=rollouts)
+    assert model.reference.loaded and model.grpo_stats.sums["ref_passes"] == 0
+    assert torch.equal(flat(model.reference.module), initial)
+
+
+def test_reference_pass_computes_no_entropy():
+    model, *_ = build()
+    model.reference.load_once(model, torch.device("cpu"))
+    tokens, labels = batch()
+    with torch.no_grad():
+        out = model.reference.module(tokens, labels=labels)
+    assert out.entropy is None and out.logprobs.shape == labels.shape
+
+
 def test_offload_is_a_noop_on_cpu():
     model, *_ = build("--reference_model.offload")
     assert model.reference.offload is False
