@@ -26,51 +26,64 @@ def _plain(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def compute_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """fp32 log p(labels[:, t] | logits[:, t]) as a plain [B, T] tensor; IGNORE_INDEX positions are 0."""
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     # fp32 before the softmax: bf16 log-sum-exp loses ~3 digits on a 150k vocab
     logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    # cross_entropy is the op loss_parallel shards; reduction="none" keeps one value per token
-    nll = F.cross_entropy(
-        logits.flatten(0, 1), labels.flatten(0, 1), reduction="none", ignore_index=IGNORE_INDEX
-    )
+    return logits / temperature if temperature != 1.0 else logits
+
+
+def _picked(logp: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """logp[labels] per token, 0 at IGNORE_INDEX; nll_loss is the op loss_parallel shards."""
+    nll = F.nll_loss(logp.flatten(0, 1), labels.flatten(0, 1), reduction="none", ignore_index=IGNORE_INDEX)
     return -_plain(nll).view(labels.shape)
 
 
-class _Entropy(torch.autograd.Function):
-    """Entropy with its own backward, dH/dz = -p * (log p + H), computed shard-locally.
+def compute_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """fp32 log p(labels[:, t] | logits[:, t]) as a plain [B, T] tensor; IGNORE_INDEX positions are 0."""
+    return _picked(F.log_softmax(_scaled(logits, temperature), dim=-1), labels)
 
-    Under loss_parallel, log_softmax's backward assumes an nll_loss follows (it passes the
-    incoming gradient through), so autograd through log_softmax gives a wrong entropy
-    gradient on sharded logits. This backward needs only H, which is already replicated.
+
+class _Entropy(torch.autograd.Function):
+    """Entropy from log_softmax's output `logp`; its backward returns dH/dz = -p * (log p + H) as the gradient of `logp`.
+
+    That vector sums to zero over the vocabulary, so log_softmax's backward hands it to the logits
+    unchanged: on plain tensors it subtracts p * sum(grad) = 0, and under loss_parallel it passes
+    its input through (it assumes an nll_loss backward did the softmax part, which is also why
+    autograd through the entropy's own ops would be wrong on sharded logits). Only H, already
+    replicated, crosses ranks; `logp` is the tensor nll_loss saves anyway.
     """
 
     @staticmethod
-    def forward(ctx, logits):
-        logp = F.log_softmax(logits, dim=-1)
+    def forward(ctx, logp):
         # the vocab sum of a Shard(-1) DTensor is Partial: reducing it is an all-reduce of [B, T]
         entropy = -(logp.exp() * logp).sum(-1)
         if isinstance(entropy, DTensor):
             entropy = entropy.redistribute(placements=[Replicate()] * entropy.device_mesh.ndim)
-        ctx.save_for_backward(logits, entropy)
+        ctx.save_for_backward(logp, entropy)
         return entropy
 
     @staticmethod
     def backward(ctx, grad):
-        logits, entropy = ctx.saved_tensors
-        # recomputed rather than saved: one chunk's [B, k, V/TP] fp32 lives only here
-        logp = F.log_softmax(logits, dim=-1)
+        logp, entropy = ctx.saved_tensors
         return -grad.unsqueeze(-1) * logp.exp() * (logp + entropy.unsqueeze(-1))
+
+
+def compute_logprobs_and_entropy(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
+                                 entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 [B, T] log-probs of `labels` and entropies from one log_softmax of the logits.
+
+    Without `entropy_grad` the entropy is a statistic and carries no gradient.
+    """
+    logp = F.log_softmax(_scaled(logits, temperature), dim=-1)  # [B, T, V], Shard(-1) under loss_parallel
+    logprobs = _picked(logp, labels)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = _Entropy.apply(logp if entropy_grad else logp.detach())
+    return logprobs, _plain(entropy)
 
 
 def compute_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """fp32 entropy of softmax(logits / temperature) per position, [B, T], plain tensor."""
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    return _plain(_Entropy.apply(logits))
+    return _plain(_Entropy.apply(F.log_softmax(_scaled(logits, temperature), dim=-1)))
 
 
 _compiled: dict[object, object] = {}
@@ -88,14 +101,10 @@ def maybe_compiled(fn, enabled: bool, backend: str = "inductor"):
 def _score_chunk(head, h, labels, temperature, compiled, backend, entropy_grad, with_entropy=True):
     """Log-probs and entropy (None without `with_entropy`) of one chunk; its logits live only inside this call."""
     logits = head(h)  # [B, k, V], or a Shard(-1) DTensor under loss_parallel
-    logprobs = maybe_compiled(compute_logprobs, compiled, backend)(logits, labels, temperature)
     if not with_entropy:
-        return logprobs, None
+        return maybe_compiled(compute_logprobs, compiled, backend)(logits, labels, temperature), None
     # entropy is a logged statistic unless the loss has an entropy bonus
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = maybe_compiled(compute_entropy, compiled, backend)(logits if entropy_grad else logits.detach(),
-                                                                     temperature)
-    return logprobs, entropy
+    return maybe_compiled(compute_logprobs_and_entropy, compiled, backend)(logits, labels, temperature, entropy_grad)
 
 
 def chunked_logprobs(

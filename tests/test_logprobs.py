@@ -34,6 +34,7 @@ from plugin.logprobs import (
     chunked_logprobs,
     compute_entropy,
     compute_logprobs,
+    compute_logprobs_and_entropy,
     isolate_compile_cache,
     maybe_compiled,
 )
@@ -171,6 +172,43 @@ def test_extreme_logits_plain(dtype, temperature):
     (logprobs * w).sum().backward()
     (ref * w.double()).sum().backward()
     close(logits.grad, ref_in.grad, EXTREME_TOL[dtype]["grad"], "d logprobs / d logits")
+
+
+class OpCount(TorchDispatchMode):
+    """How many times each aten op ran."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_logprobs_and_entropy_from_one_softmax(entropy_grad):
+    """One log_softmax over the logits in forward, no second one for the entropy, none in backward;
+    values and gradients (with the entropy bonus's) match fp64."""
+    T, V, temperature = 47, 1271, 0.7
+    logits = make_logits(T, V, torch.float32).requires_grad_()
+    labels, w, u = make_labels(T, V), make_weights(T), make_weights(T, seed=5)
+    with OpCount() as forward:
+        logprobs, entropy = compute_logprobs_and_entropy(logits, labels, temperature, entropy_grad)
+    assert forward.counts.get("_log_softmax") == 1 and "exp" in forward.counts
+    assert entropy.requires_grad == entropy_grad
+    loss = (logprobs * w).sum() + ((entropy * u).sum() if entropy_grad else 0)
+    with OpCount() as backward:
+        loss.backward()
+    assert "_log_softmax" not in backward.counts and backward.counts.get("_log_softmax_backward_data") == 1
+
+    ref_in = logits.detach().double().requires_grad_()
+    ref, ref_h = ref_logprobs(ref_in, labels, temperature), ref_entropy(ref_in, temperature)
+    ((ref * w.double()).sum() + ((ref_h * u.double()).sum() if entropy_grad else 0)).backward()
+    close(logprobs, ref, TOL[torch.float32]["value"], "logprobs")
+    close(entropy, ref_h, TOL[torch.float32]["value"], "entropy")
+    close(logits.grad, ref_in.grad, TOL[torch.float32]["grad"], "d (logprobs, entropy) / d logits")
 
 
 class Head(nn.Module):
@@ -311,6 +349,11 @@ def test_compiled_tp1(tmp_path, monkeypatch):
     compiled = run_chunked(head, hidden, labels, w, compiled=True, **kwargs)
     compare_chunked(compiled, eager, SAME_TOL, "compiled vs eager")
     compare_chunked(compiled, ref, TOL[torch.float32], "compiled vs fp64")
+    # the entropy bonus's gradient through the compiled one-softmax path
+    u = make_weights(T, seed=5)
+    ref = head_reference(head, hidden, labels, w, temperature, entropy_w=u)
+    compiled = run_chunked(head, hidden, labels, w, compiled=True, entropy_w=u, **kwargs)
+    compare_chunked(compiled, ref, TOL[torch.float32], "compiled entropy_grad vs fp64")
 
 
 def test_maybe_compiled():
