@@ -65,8 +65,14 @@ class GRPO:
     temperature: float = 1.0
     """Sampling temperature of the rollouts: logits are divided by it before log-probs are taken."""
 
+    logprob_chunk_tokens: int = 0
+    """Tokens (batch x positions, all TP ranks) scored per chunk through the output layer; 0 = from logprob_chunk_mib."""
+
+    logprob_chunk_mib: float = 256.0
+    """Memory budget of one chunk, its fp32 logits on one rank in MiB; sets the chunk's tokens when logprob_chunk_tokens is 0; 0 = all tokens at once."""
+
     logprob_chunk_size: int = 0
-    """Sequence positions scored per chunk through the output layer; 0 scores the whole sequence at once."""
+    """Deprecated (memory grows with the batch size): sequence positions of each sequence per chunk; > 0 overrides logprob_chunk_tokens / _mib."""
 
     on_nonfinite: Literal["raise", "skip"] = "raise"
     """A NaN/inf advantage, log-prob, loss or gradient stops the run at that step (raise) or drops the step's update (skip)."""
@@ -88,6 +94,10 @@ class GRPO:
         _check("grpo", "kl_max", self.kl_max, self.kl_max >= 0, ">= 0 (0 = no cap)")
         _check("grpo", "horizon", self.horizon, self.horizon >= 0, ">= 0 (0 = [training] seq_len)")
         _check("grpo", "logprob_chunk_size", self.logprob_chunk_size, self.logprob_chunk_size >= 0, ">= 0 (0 = no chunking)")
+        _check("grpo", "logprob_chunk_tokens", self.logprob_chunk_tokens, self.logprob_chunk_tokens >= 0,
+               ">= 0 (0 = from logprob_chunk_mib)")
+        _check("grpo", "logprob_chunk_mib", self.logprob_chunk_mib,
+               self.logprob_chunk_mib >= 0 and math.isfinite(self.logprob_chunk_mib), "a finite number >= 0 (0 = no budget)")
 
 
 @dataclass
@@ -289,11 +299,18 @@ def validate_job(job_config) -> None:
             f"components 'model' and [parallelism] tensor_parallel_degree = {tp} fails on CPU "
             "(torch 2.13): set [activation_checkpoint] mode = \"none\""
         )
-    chunk = job_config.grpo.logprob_chunk_size
-    if tp > 1 and chunk % tp:
-        raise ValueError(
-            f"[grpo] logprob_chunk_size = {chunk} must be a multiple of "
-            f"[parallelism] tensor_parallel_degree = {tp}: each rank scores its sequence shard in chunks"
+    for key in ("logprob_chunk_size", "logprob_chunk_tokens"):
+        chunk = getattr(job_config.grpo, key)
+        if tp > 1 and chunk % tp:
+            raise ValueError(
+                f"[grpo] {key} = {chunk} must be a multiple of "
+                f"[parallelism] tensor_parallel_degree = {tp}: each rank scores its sequence shard in chunks"
+            )
+    if job_config.grpo.logprob_chunk_size > 0:
+        logger.warning(
+            f"[grpo] logprob_chunk_size = {job_config.grpo.logprob_chunk_size} counts positions of each sequence, "
+            "so a chunk's memory grows with the batch size; it overrides logprob_chunk_tokens and logprob_chunk_mib, "
+            "which count tokens of the whole batch (set logprob_chunk_size = 0 to use them)"
         )
     check_resume_checkpoint(job_config)
     check_restart_launch()

@@ -107,6 +107,26 @@ def _score_chunk(head, h, labels, temperature, compiled, backend, entropy_grad, 
     return maybe_compiled(compute_logprobs_and_entropy, compiled, backend)(logits, labels, temperature, entropy_grad)
 
 
+def chunk_tokens_for(budget_mib: float, vocab_size: int, seq_shards: int = 1) -> int:
+    """Tokens per chunk whose fp32 logits on one rank fit in `budget_mib` MiB; 0 (no budget): all at once.
+
+    A chunk of N tokens gives each rank fp32 logits of N x ceil(V / S); the result is a multiple of S.
+    """
+    if budget_mib <= 0:
+        return 0
+    tokens = int(budget_mib * 2**20) // (4 * -(-vocab_size // seq_shards))
+    return max(seq_shards, tokens // seq_shards * seq_shards)
+
+
+def local_chunk(batch: int, local_len: int, seq_shards: int, chunk_size: int = 0, chunk_tokens: int = 0) -> int:
+    """This rank's tokens per chunk: `chunk_size` positions of each sequence, else `chunk_tokens` of the batch."""
+    if chunk_size > 0:
+        return batch * max(1, chunk_size // seq_shards)
+    if chunk_tokens > 0:
+        return max(1, chunk_tokens // seq_shards)
+    return batch * local_len
+
+
 def chunked_logprobs(
     hidden: torch.Tensor,
     labels: torch.Tensor,
@@ -114,19 +134,22 @@ def chunked_logprobs(
     *,
     temperature: float = 1.0,
     chunk_size: int = 0,
+    chunk_tokens: int = 0,
     seq_shards: int = 1,
     compiled: bool = False,
     backend: str = "inductor",
     entropy_grad: bool = False,
     with_entropy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[B, T] log-probs of `labels` and entropies from trunk states, scoring one sequence chunk at a time.
+    """[B, T] log-probs of `labels` and entropies from trunk states, scoring one chunk of tokens at a time.
 
     Args:
         hidden: [B, T / seq_shards, D], this rank's sequence shard of the trunk output.
         labels: [B, T], the full sequence's labels (replicated across TP ranks).
         head: hidden chunk -> logits (final norm + output layer, possibly vocab-parallel).
-        chunk_size: global sequence positions per chunk; 0 scores the whole sequence at once.
+        chunk_size: global sequence positions per chunk, of every sequence (B * chunk_size tokens); 0: see chunk_tokens.
+        chunk_tokens: tokens (batch x positions, all ranks) per chunk, whatever the batch size; 0 with
+            chunk_size 0 scores everything at once.
         seq_shards: ranks the sequence is sharded over (the TP degree under sequence parallelism).
         compiled, backend: torch.compile the log-prob and entropy computation with this backend ([compile] backend).
         entropy_grad: let gradients flow through the entropy (for an entropy bonus).
@@ -136,26 +159,32 @@ def chunked_logprobs(
     S, T_local = seq_shards, hidden.shape[1]
     if T_local * S != T:
         raise ValueError(f"hidden has {T_local} positions per rank; labels need {T} / {S}")
-    # Under sequence parallelism rank r holds positions [r*T/S, (r+1)*T/S). Giving each rank's
-    # chunk [c, c+k) to the output layer yields logits for positions r*T/S + [c, c+k) of every
-    # r, rank-major; the labels are laid out the same way.
-    labels_by_shard = labels.view(B, S, T_local)
-    k = T_local if chunk_size <= 0 else max(1, chunk_size // S)
+    # This rank's B sequence shards as one sequence of n tokens, so a chunk counts tokens, not
+    # positions. Under sequence parallelism, giving each rank's tokens [c, c+k) to the output layer
+    # yields logits for tokens [c, c+k) of every rank, rank-major; the labels are laid out the same way.
+    n = B * T_local
+    flat_hidden = hidden.reshape(1, n, hidden.shape[-1])  # [1, n, D]
+    labels_by_shard = labels.view(B, S, T_local).transpose(0, 1).reshape(S, n)  # [S, n]
+    k = local_chunk(B, T_local, S, chunk_size, chunk_tokens)
     # with several chunks, recompute each in backward so its logits are freed after its forward
-    recompute = torch.is_grad_enabled() and k < T_local
+    recompute = torch.is_grad_enabled() and k < n
     logprobs, entropy = [], []
-    for start in range(0, T_local, k):
-        h_c = hidden[:, start : start + k]
-        labels_c = labels_by_shard[:, :, start : start + k].reshape(B, -1)
+    for start in range(0, n, k):
+        h_c = flat_hidden[:, start : start + k]
+        labels_c = labels_by_shard[:, start : start + k].reshape(1, -1)
         if recompute:
             lp, ent = checkpoint(_score_chunk, head, h_c, labels_c, temperature, compiled, backend, entropy_grad,
                                  with_entropy, use_reentrant=False)
         else:
             lp, ent = _score_chunk(head, h_c, labels_c, temperature, compiled, backend, entropy_grad, with_entropy)
-        logprobs.append(lp.view(B, S, -1))
+        logprobs.append(lp.view(S, -1))
         if with_entropy:
-            entropy.append(ent.view(B, S, -1))
-    return torch.cat(logprobs, dim=2).view(B, T), torch.cat(entropy, dim=2).view(B, T) if with_entropy else None
+            entropy.append(ent.view(S, -1))
+
+    def unflatten(chunks):  # [S, n] pieces -> [B, T]
+        return torch.cat(chunks, dim=1).view(S, B, T_local).transpose(0, 1).reshape(B, T)
+
+    return unflatten(logprobs), unflatten(entropy) if with_entropy else None
 
 
 def isolate_compile_cache(rank: int) -> None:

@@ -21,7 +21,7 @@ from torchtitan.tools.logging import logger
 
 from . import cpu
 from .config import compiles_loss
-from .logprobs import chunked_logprobs, isolate_compile_cache
+from .logprobs import chunk_tokens_for, chunked_logprobs, isolate_compile_cache, local_chunk
 from .metrics import GRPOStats
 from .reference import Reference
 
@@ -44,7 +44,8 @@ class PolicyOutput:
 @dataclass
 class ScoringConfig:
     temperature: float = 1.0
-    chunk_size: int = 0  # global sequence positions per chunk; 0 = whole sequence
+    chunk_size: int = 0  # global sequence positions per chunk, of each sequence ([grpo] logprob_chunk_size)
+    chunk_tokens: int = 0  # tokens of the batch per chunk, all ranks; 0 with chunk_size 0 = all at once
     seq_shards: int = 1  # ranks the trunk output is sequence-sharded over (TP degree)
     compile: bool = False
     compile_backend: str = "inductor"
@@ -95,9 +96,11 @@ class GRPOModel:
         """[B, T] log-probs of `labels` and entropies (None when scoring.entropy is off) under this model."""
         cfg = self.scoring
         hidden = self.hidden_states(tokens, **kwargs)
-        with head_comms_once(self, chunked=cfg.chunk_size > 0) as head:
+        B, T_local = hidden.shape[:2]
+        chunked = local_chunk(B, T_local, cfg.seq_shards, cfg.chunk_size, cfg.chunk_tokens) < B * T_local
+        with head_comms_once(self, chunked=chunked) as head:
             return chunked_logprobs(hidden, labels, head, temperature=cfg.temperature, chunk_size=cfg.chunk_size,
-                                    seq_shards=cfg.seq_shards, compiled=cfg.compile, backend=cfg.compile_backend,
+                                    chunk_tokens=cfg.chunk_tokens, seq_shards=cfg.seq_shards, compiled=cfg.compile, backend=cfg.compile_backend,
                                     entropy_grad=cfg.entropy_grad, with_entropy=cfg.entropy)
 
     def to_empty(self, *, device, recurse: bool = True):
@@ -213,10 +216,14 @@ def build_grpo_parallelize_fn(base_parallelize: Callable) -> Callable:
         reference = Reference.build(model, parallelize, job_config)  # a copy of the meta-device policy
         model = parallelize(model)
         cpu.prepare_parallelized(model)
+        grpo, seq_shards = job_config.grpo, parallel_dims.tp if parallel_dims.tp_enabled else 1
         common = dict(
-            temperature=job_config.grpo.temperature,
-            chunk_size=job_config.grpo.logprob_chunk_size,
-            seq_shards=parallel_dims.tp if parallel_dims.tp_enabled else 1,
+            temperature=grpo.temperature,
+            chunk_size=grpo.logprob_chunk_size,
+            # a chunk's fp32 logits on one rank stay within the budget, whatever the batch size
+            chunk_tokens=grpo.logprob_chunk_tokens or chunk_tokens_for(grpo.logprob_chunk_mib,
+                                                                       model.model_args.vocab_size, seq_shards),
+            seq_shards=seq_shards,
             compile_backend=job_config.compile.backend,
         )
         model.scoring = ScoringConfig(

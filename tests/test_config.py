@@ -88,6 +88,7 @@ def test_choices_are_listed_in_help(capsys):
     "overrides, message",
     [
         (["--grpo.logprob_chunk_size", "5"], r"\[grpo\] logprob_chunk_size = 5 must be a multiple of"),
+        (["--grpo.logprob_chunk_tokens", "7"], r"\[grpo\] logprob_chunk_tokens = 7 must be a multiple of"),
         (["--parallelism.pipeline_parallel_degree", "2"], r"pipeline_parallel_degree = 2: pipeline parallelism is not supported"),
         (["--parallelism.tensor_parallel_degree", "2", "--compile.enable", "--activation_checkpoint.mode", "selective"],
          r"set \[activation_checkpoint\] mode = \"none\""),
@@ -121,7 +122,8 @@ OUT_OF_RANGE = {
     "grpo": dict(clip_low=-0.1, clip_high=-1.0, dual_clip=0.5, behavior_ratio_cap=0.5, entropy_coef=-1.0,
                  beta=float("inf"), kl_estimator="k0", use_bias_correction_kl="", kl_log_ratio_clamp=-1.0,
                  kl_max=-1.0, loss_aggregation="mean", horizon=-1, advantage_norm="std", advantage_eps=0.0,
-                 group_size=1, temperature=-1.0, logprob_chunk_size=-2, on_nonfinite="ignore"),
+                 group_size=1, temperature=-1.0, logprob_chunk_size=-2, logprob_chunk_tokens=-1,
+                 logprob_chunk_mib=float("nan"), on_nonfinite="ignore"),
     "reference_model": dict(compile="", checkpoint_path="", checkpoint_format="", sync_steps=-1, sync_alpha="",
                             offload=""),
     "rollout_data": dict(format="", on_error="", chat_template="{other}"),

@@ -31,6 +31,7 @@ from torchtitan.components.loss import IGNORE_INDEX
 
 from conftest import run_ranks
 from plugin.logprobs import (
+    chunk_tokens_for,
     chunked_logprobs,
     compute_entropy,
     compute_logprobs,
@@ -250,7 +251,7 @@ def head_reference(head: Head, hidden, labels, w, temperature, entropy_w=None):
 
 
 def run_chunked(head: Head, hidden, labels, w, *, temperature, chunk_size, seq_shards, compiled, entropy_w=None,
-                log=None):
+                log=None, chunk_tokens=0):
     """chunked_logprobs forward + backward of the loss above; grads of the weights as full tensors."""
     h = hidden.clone().requires_grad_()
     head.zero_grad(set_to_none=True)
@@ -258,7 +259,7 @@ def run_chunked(head: Head, hidden, labels, w, *, temperature, chunk_size, seq_s
     with loss_parallel() if seq_shards > 1 else contextlib.nullcontext(), log or contextlib.nullcontext():
         logprobs, entropy = chunked_logprobs(
             h, labels, lambda x: head.output(head.norm(x)), temperature=temperature, chunk_size=chunk_size,
-            seq_shards=seq_shards, compiled=compiled, entropy_grad=entropy_w is not None,
+            chunk_tokens=chunk_tokens, seq_shards=seq_shards, compiled=compiled, entropy_grad=entropy_w is not None,
         )
         loss = (logprobs * w).sum()
         if entropy_w is not None:
@@ -296,6 +297,40 @@ def test_chunked_tp1(chunk_size):
     assert (got[0][labels == IGNORE_INDEX] == 0).all()
 
 
+@pytest.mark.parametrize("chunk_tokens", [5, 10, 47, 93])
+def test_chunk_tokens_tp1(chunk_tokens):
+    """Chunks of tokens across the batch (a chunk may span two sequences) match fp64 and one chunk."""
+    T, V, temperature = 47, 1271, 0.7
+    head, hidden, labels, w = Head(D, V), make_hidden(T), make_labels(T, V), make_weights(T)
+    ref = head_reference(head, hidden, labels, w, temperature)
+    whole = run_chunked(head, hidden, labels, w, temperature=temperature, chunk_size=0, seq_shards=1, compiled=False)
+    got = run_chunked(head, hidden, labels, w, temperature=temperature, chunk_size=0, chunk_tokens=chunk_tokens,
+                      seq_shards=1, compiled=False)
+    compare_chunked(got, ref, TOL[torch.float32], f"chunk_tokens={chunk_tokens} vs fp64")
+    compare_chunked(got, whole, SAME_TOL, f"chunk_tokens={chunk_tokens} vs one chunk")
+
+
+@pytest.mark.parametrize("batch", [1, 2, 8])
+def test_chunk_tokens_do_not_grow_with_the_batch(batch):
+    """The head sees at most chunk_tokens tokens at once, whatever the batch; logits memory follows that."""
+    T, V = 20, 64
+    head = Head(D, V)
+    hidden = torch.randn(batch, T, D, generator=torch.Generator().manual_seed(0))
+    labels = torch.randint(V, (batch, T), generator=torch.Generator().manual_seed(1))
+    calls = []
+    chunked_logprobs(hidden, labels, lambda x: calls.append(x.shape[:2]) or head(x), chunk_tokens=16)
+    assert max(n for _, n in calls) == 16 and sum(n for _, n in calls) == batch * T
+
+
+def test_chunk_tokens_for_a_memory_budget():
+    # fp32 logits of one chunk on one rank: tokens x ceil(V / TP) x 4 bytes <= budget
+    assert chunk_tokens_for(0, 32000) == 0
+    assert chunk_tokens_for(256, 151936) == 256 * 2**20 // (151936 * 4) == 441
+    assert chunk_tokens_for(256, 32000, 2) == 4194  # 2**28 // 64000 = 4194, a multiple of 2
+    assert chunk_tokens_for(256, 1271, 2) % 2 == 0 and chunk_tokens_for(256, 1271, 2) * 636 * 4 <= 256 * 2**20
+    assert chunk_tokens_for(1e-6, 151936, 4) == 4  # at least one token per rank
+
+
 @pytest.mark.parametrize("chunk_size", [0, 8])
 def test_chunked_entropy_grad_tp1(chunk_size):
     """entropy_grad=True (the entropy bonus): gradients of sum(w * logprobs + u * entropy) match fp64."""
@@ -321,7 +356,7 @@ def test_chunks_recomputed_in_backward(chunk_size, chunks):
 
     h = hidden.clone().requires_grad_()
     logprobs, _ = chunked_logprobs(h, labels, counting_head, chunk_size=chunk_size)
-    assert len(calls) == chunks and sum(calls) == T
+    assert len(calls) == chunks and sum(calls) == B * T
     logprobs.sum().backward()
     assert len(calls) == (2 * chunks if chunks > 1 else 1)
 
@@ -498,6 +533,7 @@ def _tp_log_sees_gather(mesh, T):
 
 
 TP_CHUNK_SIZES = (0, 8, 6, 46)  # T = 46, 23 positions per rank: 8 and 6 give chunks of 4 and 3 per rank
+TP_CHUNK_TOKENS = (2, 10, 30)  # 1, 5 and 15 of each rank's 46 tokens (2 sequences x 23 positions) per chunk
 
 
 def _tp_head(mesh, V):
@@ -509,7 +545,7 @@ def _tp_head(mesh, V):
     return parallelize_module(head, mesh, plan)
 
 
-def _tp_chunked(mesh, rank, chunk_size):
+def _tp_chunked(mesh, rank, chunk_size, chunk_tokens=0):
     T, V, temperature = 46, 1271, 0.7
     head = _tp_head(mesh, V)
     hidden, labels, w = make_hidden(T), make_labels(T, V), make_weights(T)
@@ -520,9 +556,11 @@ def _tp_chunked(mesh, rank, chunk_size):
     kwargs = dict(temperature=temperature, seq_shards=2, compiled=False)
     whole = run_chunked(head, hidden[:, local], labels, w, chunk_size=0, **kwargs)
     log = CollectiveLog()
-    got = run_chunked(head, hidden[:, local], labels, w, chunk_size=chunk_size, log=log, **kwargs)
-    compare_chunked(got, ref, TOL[torch.float32], f"TP=2 chunk_size={chunk_size} vs fp64")
-    compare_chunked(got, whole, SAME_TOL, f"TP=2 chunk_size={chunk_size} vs one chunk")
+    got = run_chunked(head, hidden[:, local], labels, w, chunk_size=chunk_size, chunk_tokens=chunk_tokens, log=log,
+                      **kwargs)
+    what = f"TP=2 chunk_size={chunk_size} chunk_tokens={chunk_tokens}"
+    compare_chunked(got, ref, TOL[torch.float32], f"{what} vs fp64")
+    compare_chunked(got, whole, SAME_TOL, f"{what} vs one chunk")
     # the sequence-parallel all-gather / reduce-scatter of hidden chunks is expected; any logits
     # gather, even of the smallest chunk (B x 6 x 1271 / 2), would be larger than all of hidden
     too_big = [(name, n) for name, n in log.calls if n > B * T * D]
@@ -556,6 +594,8 @@ def _tp_eager_checks(rank, world_size, out_dir):
     checks.run("log_sees_gather", _tp_log_sees_gather, mesh, 47)
     for chunk_size in TP_CHUNK_SIZES:
         checks.run(f"chunked_{chunk_size}", _tp_chunked, mesh, rank, chunk_size)
+    for chunk_tokens in TP_CHUNK_TOKENS:
+        checks.run(f"chunk_tokens_{chunk_tokens}", _tp_chunked, mesh, rank, 0, chunk_tokens)
     checks.run("chunked_entropy_grad", _tp_chunked_entropy_grad, mesh, rank)
     checks.save()
 
@@ -590,6 +630,12 @@ def test_tp_collective_log_sees_a_gather(tp_eager):
 def test_chunked_tp2(tp_eager, chunk_size):
     """SequenceParallel norm + ColwiseParallel output on sequence-sharded hidden, as torchtitan's llama3."""
     assert_check_passed(tp_eager, f"chunked_{chunk_size}")
+
+
+@pytest.mark.parametrize("chunk_tokens", TP_CHUNK_TOKENS)
+def test_chunk_tokens_tp2(tp_eager, chunk_tokens):
+    """Token chunks across the batch's sequence shards at TP=2 match fp64 and one chunk; no vocab-sized collective."""
+    assert_check_passed(tp_eager, f"chunk_tokens_{chunk_tokens}")
 
 
 def test_chunked_entropy_grad_tp2(tp_eager):
