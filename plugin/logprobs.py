@@ -187,6 +187,86 @@ def chunked_logprobs(
     return unflatten(logprobs), unflatten(entropy) if with_entropy else None
 
 
+class _FusedChunks(torch.autograd.Function):
+    """A loss whose gradients were computed in forward: backward only scales them by the incoming gradient.
+
+    `run` returns the loss, d loss / d hidden, d loss / d each of `params`, and per-token log-probs
+    and entropies (outputs without gradient). Autograd hands the parameters' gradients to their
+    .grad like any other, accumulated over gradient-accumulation microbatches.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, run, *params):
+        loss, grad_hidden, grads, logprobs, entropy = run(hidden)
+        ctx.save_for_backward(grad_hidden, *grads)
+        ctx.mark_non_differentiable(logprobs, entropy)
+        return loss, logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad, _logprobs, _entropy):
+        grad_hidden, *grads = ctx.saved_tensors
+        return grad * grad_hidden, None, *(grad * g for g in grads)
+
+
+def fused_chunked_loss(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    params: list[torch.Tensor],
+    token_loss: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 0,
+    chunk_tokens: int = 0,
+    seq_shards: int = 1,
+    compiled: bool = False,
+    backend: str = "inductor",
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A per-token loss summed over the batch, with each chunk's forward and backward run in forward.
+
+    Each chunk's logits live only while its loss and gradients (for the hidden states and `params`,
+    the head's parameters) are computed, so nothing is recomputed in backward. The loss must be a
+    sum of per-token terms: `token_loss(logprobs, entropy, index)` gets a chunk's [N] log-probs and
+    entropies and their [N] positions in the flattened [B, T] labels, and returns their loss sum.
+
+    Returns the loss (differentiable to `hidden` and `params`) and detached [B, T] log-probs and entropies.
+    Arguments as chunked_logprobs'.
+    """
+    B, T = labels.shape
+    S, T_local = seq_shards, hidden.shape[1]
+    if T_local * S != T:
+        raise ValueError(f"hidden has {T_local} positions per rank; labels need {T} / {S}")
+    n = B * T_local
+    # the token layout of chunked_logprobs: this rank's B sequence shards as one sequence, rank-major chunks
+    index_by_shard = torch.arange(B * T, device=labels.device).view(B, S, T_local).transpose(0, 1).reshape(S, n)
+    k = local_chunk(B, T_local, S, chunk_size, chunk_tokens)
+    score = maybe_compiled(compute_logprobs_and_entropy, compiled, backend)
+
+    def run(hidden):
+        flat_hidden = hidden.detach().reshape(1, n, hidden.shape[-1])  # [1, n, D]
+        grad_hidden = torch.zeros_like(flat_hidden)
+        grads = [None] * len(params)
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        logprobs, entropy = torch.zeros(B * T, device=labels.device), torch.zeros(B * T, device=labels.device)
+        for start in range(0, n, k):
+            h_c = flat_hidden[:, start : start + k].requires_grad_()
+            index = index_by_shard[:, start : start + k].reshape(-1)  # [S * k] positions in [B * T]
+            with torch.enable_grad():
+                lp, ent = score(head(h_c), labels.view(-1)[index].view(1, -1), temperature, entropy_grad)
+                loss_c = token_loss(lp.view(-1), ent.view(-1), index)
+                # under loss_parallel (train_context) this backward is one too
+                g_h, *g_params = torch.autograd.grad(loss_c, [h_c, *params])
+            grad_hidden[:, start : start + k] = g_h
+            # out of place: a DTensor gradient may come Partial (a replicated norm weight's under TP)
+            grads = [g if acc is None else acc + g for acc, g in zip(grads, g_params)]
+            loss += loss_c.detach()
+            logprobs[index], entropy[index] = lp.detach().view(-1), ent.detach().view(-1)
+        return loss, grad_hidden.view_as(hidden), grads, logprobs.view(B, T), entropy.view(B, T)
+
+    return _FusedChunks.apply(hidden, run, *params)
+
+
 def isolate_compile_cache(rank: int) -> None:
     """Give each rank its own inductor/AOTAutograd cache directory.
 

@@ -4,6 +4,7 @@ It keeps torchtitan's loss contract: the loss function returns a SUM over valid 
 trainer divides by the global number of valid (non-IGNORE_INDEX) tokens, which is token_mean.
 """
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 
@@ -93,21 +94,35 @@ def grpo_token_terms(
     )
 
 
-def grpo_loss(pred, labels: torch.Tensor, *, token_terms_fn, cfg) -> torch.Tensor:
-    """Weighted sum of the per-token GRPO loss over completion tokens; records metrics on `pred.stats`."""
+def grpo_loss(pred, labels: torch.Tensor, *, token_terms_fn) -> torch.Tensor:
+    """Weighted sum of the per-token GRPO loss over completion tokens; records metrics on `pred.stats`.
+
+    With [grpo] fused_policy_pass the model computed the loss and its gradients already
+    (`pred.fused_loss`); the terms are evaluated here only for the metrics.
+    """
     mask = labels != IGNORE_INDEX
     old = pred.logprobs.detach()
     if pred.old_logprobs is not None:
         # behaviour log-probs where the rollout has them (NaN elsewhere), on-policy otherwise
         old = torch.where(pred.old_logprobs.isnan(), old, pred.old_logprobs)
-    terms = token_terms_fn(
-        pred.logprobs,
-        old,
-        pred.ref_logprobs,
-        pred.advantages,
-        pred.loss_weights,
-        mask,
-        pred.entropy,
+    fused = getattr(pred, "fused_loss", None)
+    with torch.no_grad() if fused is not None else nullcontext():
+        terms = token_terms_fn(pred.logprobs, old, pred.ref_logprobs, pred.advantages, pred.loss_weights, mask,
+                               pred.entropy)
+    loss = terms.loss.sum() if fused is None else fused
+    if pred.stats is not None:
+        pred.stats.record_tokens(terms, mask, pred)
+        # plugin.guard checks these before the optimizer step, in plugin.guard.TERMS order
+        pred.stats.record_nonfinite(pred.advantages, pred.ref_logprobs, pred.logprobs * mask, loss.detach())
+    return loss
+
+
+def token_terms_fn(job_config):
+    """grpo_token_terms with the run's [grpo] settings; compiled when [compile] components has 'loss'."""
+    cfg = job_config.grpo
+    terms_fn = maybe_compiled(grpo_token_terms, compiles_loss(job_config), job_config.compile.backend)
+    return partial(
+        terms_fn,
         clip_low=cfg.clip_low,
         clip_high=cfg.clip_high,
         beta=cfg.beta,
@@ -119,19 +134,11 @@ def grpo_loss(pred, labels: torch.Tensor, *, token_terms_fn, cfg) -> torch.Tenso
         kl_max=cfg.kl_max,
         bias_correction_kl=cfg.use_bias_correction_kl,
     )
-    loss = terms.loss.sum()
-    if pred.stats is not None:
-        pred.stats.record_tokens(terms, mask, pred)
-        # plugin.guard checks these before the optimizer step, in plugin.guard.TERMS order
-        pred.stats.record_nonfinite(pred.advantages, pred.ref_logprobs, pred.logprobs * mask, loss.detach())
-    return loss
 
 
 def build_grpo_loss(job_config, **kwargs):
     """The GRPO loss for torchtitan's TrainSpec; compiled when [compile] components has 'loss'."""
     del kwargs
-    compile_loss = compiles_loss(job_config)
-    if compile_loss:
+    if compiles_loss(job_config):
         logger.info("Compiling the GRPO per-token loss with torch.compile")
-    terms_fn = maybe_compiled(grpo_token_terms, compile_loss, job_config.compile.backend)
-    return partial(grpo_loss, token_terms_fn=terms_fn, cfg=job_config.grpo)
+    return partial(grpo_loss, token_terms_fn=token_terms_fn(job_config))

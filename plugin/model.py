@@ -15,13 +15,15 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.models.llama3.infra.parallelize import disable_fsdp_gradient_division
 from torchtitan.tools.logging import logger
 
 from . import cpu
 from .config import compiles_loss
-from .logprobs import chunk_tokens_for, chunked_logprobs, isolate_compile_cache, local_chunk
+from .logprobs import chunk_tokens_for, chunked_logprobs, fused_chunked_loss, isolate_compile_cache, local_chunk
+from .loss import token_terms_fn
 from .metrics import GRPOStats
 from .reference import Reference
 
@@ -39,6 +41,8 @@ class PolicyOutput:
     loss_weights: torch.Tensor | None = None  # [B], see data.loss_weights
     stats: GRPOStats | None = None
     sampler_logprobs: torch.Tensor | None = None  # [B, T] online mode's sampler log-probs, NaN elsewhere
+    # [grpo] fused_policy_pass: the loss sum, its gradients computed in forward; logprobs and entropy are then detached
+    fused_loss: torch.Tensor | None = None
 
 
 @dataclass
@@ -52,6 +56,9 @@ class ScoringConfig:
     entropy_grad: bool = False  # the entropy bonus needs its gradient
     entropy: bool = True  # compute it at all: the reference's pass uses only its log-probs
     head_reshard_after_forward: bool = False  # the FSDP policy of the head's group, see head_comms_once
+    # [grpo] fused_policy_pass: the per-token GRPO terms (plugin.loss.grpo_token_terms with the run's
+    # settings) that the policy pass differentiates chunk by chunk; None: log-probs go to the loss
+    token_terms: Callable | None = None
 
 
 class GRPOModel:
@@ -82,15 +89,20 @@ class GRPOModel:
                 ref_logprobs = rollouts.ref_logprobs.to(tokens.device)
             else:
                 ref_logprobs = self.reference.logprobs(self, tokens, labels, self.grpo_stats, **kwargs)
-        logprobs, entropy = self.score(tokens, labels, **kwargs)
-        if rollouts is None:  # the reference's own call: only log-probs are asked for
-            return PolicyOutput(logprobs, entropy)
+        fused = self.scoring.token_terms is not None and rollouts is not None and torch.is_grad_enabled()
+        if not fused:
+            logprobs, entropy = self.score(tokens, labels, **kwargs)
+            if rollouts is None:  # the reference's own call: only log-probs are asked for
+                return PolicyOutput(logprobs, entropy)
         r = rollouts.to(tokens.device)
+        fused_loss = None
+        if fused:
+            fused_loss, logprobs, entropy = self.fused_loss(tokens, labels, r, ref_logprobs, **kwargs)
         if rollouts.keep_logprobs:
             # the first pass over an online batch: its log-probs are the old log-probs of the replays
             rollouts.old_logprobs = logprobs.detach().clone()
         return PolicyOutput(logprobs, entropy, ref_logprobs, r.old_logprobs, r.advantages, r.rewards, r.loss_weights,
-                            self.grpo_stats, r.sampler_logprobs)
+                            self.grpo_stats, r.sampler_logprobs, fused_loss)
 
     def score(self, tokens: torch.Tensor, labels: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[B, T] log-probs of `labels` and entropies (None when scoring.entropy is off) under this model."""
@@ -102,6 +114,30 @@ class GRPOModel:
             return chunked_logprobs(hidden, labels, head, temperature=cfg.temperature, chunk_size=cfg.chunk_size,
                                     chunk_tokens=cfg.chunk_tokens, seq_shards=cfg.seq_shards, compiled=cfg.compile, backend=cfg.compile_backend,
                                     entropy_grad=cfg.entropy_grad, with_entropy=cfg.entropy)
+
+    def fused_loss(self, tokens: torch.Tensor, labels: torch.Tensor, r, ref_logprobs: torch.Tensor | None,
+                   **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The GRPO loss sum with each chunk's backward run in forward; detached [B, T] log-probs and entropies."""
+        cfg = self.scoring
+        hidden = self.hidden_states(tokens, **kwargs)
+        T = labels.shape[1]
+        mask = (labels != IGNORE_INDEX).view(-1)
+        old = None if r.old_logprobs is None else r.old_logprobs.view(-1)
+        ref = None if ref_logprobs is None else ref_logprobs.view(-1)
+
+        def token_loss(logprobs, entropy, index):  # [N] tokens at `index` of the flattened [B, T]
+            row = index // T
+            # as grpo_loss: behaviour log-probs where the rollouts have them, on-policy elsewhere
+            old_c = logprobs.detach() if old is None else torch.where(old[index].isnan(), logprobs.detach(), old[index])
+            terms = cfg.token_terms(logprobs[:, None], old_c[:, None], None if ref is None else ref[index][:, None],
+                                    r.advantages[row], r.loss_weights[row], mask[index][:, None], entropy[:, None])
+            return terms.loss.sum()
+
+        params = list({id(p): p for p in [*self.norm.parameters(), *self.output.parameters()] if p.requires_grad}.values())
+        head = lambda h: self.output(self.norm(h))  # noqa: E731
+        return fused_chunked_loss(hidden, labels, head, params, token_loss, temperature=cfg.temperature,
+                                  chunk_size=cfg.chunk_size, chunk_tokens=cfg.chunk_tokens, seq_shards=cfg.seq_shards,
+                                  compiled=cfg.compile, backend=cfg.compile_backend, entropy_grad=cfg.entropy_grad)
 
     def to_empty(self, *, device, recurse: bool = True):
         super().to_empty(device=device, recurse=recurse)
@@ -207,6 +243,13 @@ def build_grpo_parallelize_fn(base_parallelize: Callable) -> Callable:
     """Wrap torchtitan's parallelize function: parallelize the policy and its reference alike."""
 
     def parallelize_grpo(model: nn.Module, parallel_dims, job_config) -> nn.Module:
+        if job_config.grpo.fused_policy_pass and (parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled):
+            # FSDP2 reduce-scatters the head's gradient in its post-backward hook, which a gradient
+            # computed in forward bypasses
+            raise ValueError(
+                "[grpo] fused_policy_pass = true is not supported with data parallelism yet "
+                "([parallelism] data_parallel_shard_degree / data_parallel_replicate_degree > 1): set it to false"
+            )
         if parallel_dims.tp_enabled and (job_config.compile.enable or job_config.reference_model.compile):
             isolate_compile_cache(torch.distributed.get_rank())
 
@@ -227,6 +270,7 @@ def build_grpo_parallelize_fn(base_parallelize: Callable) -> Callable:
             compile_backend=job_config.compile.backend,
         )
         model.scoring = ScoringConfig(
+            token_terms=token_terms_fn(job_config) if grpo.fused_policy_pass else None,
             compile=compiles_loss(job_config), entropy_grad=job_config.grpo.entropy_coef > 0,
             # torchtitan's FSDP policy for the last group: resharded after forward only with "always"
             head_reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward == "always", **common,

@@ -1,0 +1,222 @@
+"""[grpo] fused_policy_pass: each chunk's forward and backward inside the policy's forward, against today's path and fp64.
+
+1. Model-level checks build the debug GRPO model on one rank and compare the fused loss and every
+   parameter's gradient with today's path (log-probs to the loss, chunks recomputed in backward).
+2. The TP=2 check runs fused_chunked_loss on a vocab-parallel head (uneven vocab, 1271 over 2
+   ranks) inside loss_parallel, against an fp64 reference of the same per-token loss.
+3. FSDP is rejected at start-up (the head's gradient would bypass FSDP's reduce-scatter).
+"""
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from conftest import build_model, parse_config, run_ranks
+from plugin.data import Rollouts, loss_weights
+from plugin.logprobs import chunked_logprobs, fused_chunked_loss
+from test_logprobs import (
+    TOL,
+    Checks,
+    Head,
+    _tp_head,
+    assert_check_passed,
+    close,
+    load_checks,
+    make_hidden,
+    make_labels,
+    make_weights,
+    ref_entropy,
+    ref_head,
+    ref_logprobs,
+)
+
+B, T = 4, 16
+# fp32, the same math in another summation order (seen: < 3e-6 relative)
+RTOL, ATOL = 2e-5, 1e-7
+
+
+def batch(seed: int, mode: str):
+    g = torch.Generator().manual_seed(seed)
+    tokens, labels = torch.randint(0, 2048, (B, T), generator=g), torch.randint(0, 2048, (B, T), generator=g)
+    labels[:, :5] = -100
+    labels[1, -4:] = -100  # a shorter completion: the seq modes weight it differently
+    lens = (labels != -100).sum(1)
+    old = torch.full((B, T), float("nan"))
+    old[0, 6:10] = -7.5  # behaviour log-probs on a few tokens: ratios away from 1, some clipped
+    rollouts = Rollouts(torch.tensor([1.0, -1.0, 0.5, -0.5]), torch.tensor([1.0, 0.0, 1.0, 0.0]),
+                        loss_weights(lens, mode, T), old)
+    return tokens, labels, rollouts
+
+
+def train(fused: bool, mode: str, *extra: str, microbatches: int = 1):
+    """Loss per microbatch and the accumulated gradients of every parameter, from one seed."""
+    model, cfg, *_ = build_model("--parallelism.tensor_parallel_degree", "1", "--grpo.loss_aggregation", mode,
+                                 "--grpo.entropy_coef", "0.01", "--grpo.logprob_chunk_tokens", "12",
+                                 "--grpo.dual_clip", "3", *(["--grpo.fused_policy_pass"] if fused else []), *extra)
+    from plugin.loss import build_grpo_loss
+
+    loss_fn = build_grpo_loss(cfg)
+    model.reference.load_once(model, torch.device("cpu"))
+    with torch.no_grad():  # a reference away from the policy: KL and its gradient are not 0
+        g = torch.Generator().manual_seed(1)
+        for p in model.reference.module.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    losses = []
+    for j in range(microbatches):
+        tokens, labels, rollouts = batch(j, mode)
+        pred = model(tokens, labels=labels, rollouts=rollouts)
+        assert (pred.fused_loss is not None) == fused
+        loss = loss_fn(pred, labels)
+        loss.backward()
+        losses.append(loss.detach())
+    stats = model.grpo_stats.device_sums.clone()
+    return losses, {n: p.grad.clone() for n, p in model.named_parameters()}, stats
+
+
+def assert_same(got, want):
+    (losses, grads, stats), (want_losses, want_grads, want_stats) = got, want
+    torch.testing.assert_close(torch.stack(losses), torch.stack(want_losses), rtol=RTOL, atol=ATOL)
+    # the metrics (KL, ratio, clip fractions, entropy) are the same too
+    torch.testing.assert_close(stats, want_stats, rtol=RTOL, atol=1e-6)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "fixed_horizon"])
+def test_fused_matches_todays_path(mode):
+    """Every aggregation mode, with an entropy bonus, dual clip, behaviour log-probs and KL: same loss and gradients."""
+    assert_same(train(True, mode), train(False, mode))
+
+
+def test_fused_gradient_accumulation():
+    """Two microbatches' gradients accumulate in .grad as today's do."""
+    assert_same(train(True, "seq_mean_token_mean", microbatches=2), train(False, "seq_mean_token_mean", microbatches=2))
+
+
+def test_fused_compiled(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    compiled = ("--compile.enable", "--compile.components", "loss", "--grpo.use_bias_correction_kl")
+    assert_same(train(True, "token_mean", *compiled), train(False, "token_mean", "--grpo.use_bias_correction_kl"))
+
+
+def test_fused_head_runs_once_per_chunk():
+    """Nothing is recomputed in backward: the head runs in forward only, one call per chunk."""
+    Tn, V = 47, 1271
+    head, hidden, labels, w = Head(16, V), make_hidden(Tn), make_labels(Tn, V), make_weights(Tn)
+    calls = []
+
+    def counting_head(x):
+        calls.append(x.shape[1])
+        return head(x)
+
+    h = hidden.clone().requires_grad_()
+    params = list(head.parameters())
+    loss, logprobs, _ = fused_chunked_loss(h, labels, counting_head, params,
+                                           lambda lp, ent, index: (lp * w.view(-1)[index]).sum(), chunk_tokens=10)
+    assert len(calls) == 10 and sum(calls) == 2 * Tn
+    loss.backward()
+    assert len(calls) == 10
+    assert not logprobs.requires_grad
+
+
+def test_fused_rejects_data_parallelism():
+    from torchtitan.distributed import ParallelDims
+
+    from plugin.model import build_grpo_parallelize_fn
+
+    cfg = parse_config("--grpo.fused_policy_pass")
+    pd = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=2)
+    with pytest.raises(ValueError, match=r"\[grpo\] fused_policy_pass = true is not supported with data parallelism"):
+        build_grpo_parallelize_fn(lambda *a: None)(None, pd, cfg)
+
+
+def _fp64_token_loss(logprobs, entropy, w, u, mask):
+    """A per-token loss nonlinear in the log-probs, with an entropy term, summed over the unmasked tokens."""
+    return ((w.double() * logprobs + u.double() * entropy + 0.3 * logprobs.exp() * w.double()) * mask).sum()
+
+
+def _tp_fused(rank, world_size, out_dir):
+    """Fused vs fp64 at TP=2 on a vocab-parallel head (V = 1271: shards of 636 and 635), chunked and not."""
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world_size,))
+    checks = Checks(out_dir, rank)
+    Tn, V, temperature = 46, 1271, 0.7
+    hidden, labels, w, u = make_hidden(Tn), make_labels(Tn, V), make_weights(Tn), make_weights(Tn, seed=5)
+    mask = labels != -100
+    local = slice(rank * Tn // 2, (rank + 1) * Tn // 2)
+
+    def check(chunk_tokens):
+        head = _tp_head(mesh, V)
+
+        def full(p):
+            return p.full_tensor().detach().double().requires_grad_()
+
+        h64, n64, o64 = hidden.double().requires_grad_(), full(head.norm.weight), full(head.output.weight)
+        logits = ref_head(h64, n64, o64, head.norm.eps)
+        ref_loss = _fp64_token_loss(ref_logprobs(logits, labels, temperature), ref_entropy(logits, temperature), w, u,
+                                    mask)
+        ref_loss.backward()
+
+        h = hidden[:, local].clone().requires_grad_()
+        params = [head.norm.weight, head.output.weight]
+
+        def token_loss(lp, ent, index):  # the same per-token loss on a chunk's tokens
+            m = mask.view(-1)[index]
+            return ((w.view(-1)[index] * lp + u.view(-1)[index] * ent + 0.3 * lp.exp() * w.view(-1)[index]) * m).sum()
+
+        with loss_parallel():
+            loss, _, _ = fused_chunked_loss(h, labels, head, params, token_loss, temperature=temperature,
+                                            chunk_tokens=chunk_tokens, seq_shards=2, entropy_grad=True)
+            loss.backward()
+        what = f"TP=2 fused chunk_tokens={chunk_tokens}"
+        close(loss, ref_loss, TOL[torch.float32]["value"], f"{what}: loss")
+        close(h.grad, h64.grad[:, local], TOL[torch.float32]["grad"], f"{what}: d/d hidden")
+        for name, p, ref in (("norm", head.norm.weight, n64), ("output", head.output.weight, o64)):
+            assert isinstance(p.grad, DTensor), name
+            close(p.grad.full_tensor(), ref.grad, TOL[torch.float32]["grad"], f"{what}: d/d {name}.weight")
+
+    for chunk_tokens in (0, 10, 30):
+        checks.run(f"fused_{chunk_tokens}", check, chunk_tokens)
+    checks.save()
+
+
+@pytest.fixture(scope="module")
+def tp_fused(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp_fused")
+    run_ranks(2, _tp_fused, str(out))
+    return load_checks(out)
+
+
+@pytest.mark.parametrize("chunk_tokens", [0, 10, 30])
+def test_fused_tp2(tp_fused, chunk_tokens):
+    """Vocab-sharded weight under loss_parallel, uneven vocab: loss and gradients (hidden, norm, output) match fp64."""
+    assert_check_passed(tp_fused, f"fused_{chunk_tokens}")
+
+
+def test_fused_values_match_chunked_logprobs():
+    """The detached log-probs and entropies the fused pass returns are chunked_logprobs'."""
+    Tn, V = 47, 1271
+    head, hidden, labels = Head(16, V), make_hidden(Tn), make_labels(Tn, V)
+    _, logprobs, entropy = fused_chunked_loss(hidden.clone().requires_grad_(), labels, head, list(head.parameters()),
+                                              lambda lp, ent, index: lp.sum() + ent.sum(), chunk_tokens=7,
+                                              temperature=0.7, entropy_grad=True)
+    with torch.no_grad():
+        want = chunked_logprobs(hidden, labels, head, temperature=0.7)
+    torch.testing.assert_close(logprobs, want[0], rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(entropy, want[1], rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("nproc, extra", [(1, ["--parallelism.tensor_parallel_degree", "1"]),
+                                          (2, ["--parallelism.tensor_parallel_degree", "2"])], ids=["1rank", "tp2"])
+def test_fused_run_matches_todays_path(nproc, extra, seed_checkpoint, tmp_path_factory):
+    """torchtitan's own train.py, 2 steps with an entropy bonus and chunks: the same losses and grad norms."""
+    from conftest import scalars, train
+
+    flags = [*extra, "--grpo.entropy_coef", "0.01", "--grpo.logprob_chunk_tokens", "64"]
+    want = scalars(train(tmp_path_factory, seed_checkpoint, f"unfused_{nproc}", nproc, *flags, steps=2))
+    got = scalars(train(tmp_path_factory, seed_checkpoint, f"fused_{nproc}", nproc, *flags,
+                        "--grpo.fused_policy_pass", steps=2))
+    for tag in ("loss_metrics/global_avg_loss", "grad_norm", "grpo/entropy", "grpo/kl"):
+        assert got[tag] == pytest.approx(want[tag], rel=1e-4, abs=1e-7), tag
