@@ -102,3 +102,20 @@ def test_gpu_oneshot_help():
     proc = subprocess.run([sys.executable, "benchmarks/gpu_oneshot.py", "--help"], cwd=REPO, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0 and "--smoke" in proc.stdout, proc.stderr
+
+
+def test_generation_speed_smoke(tmp_path):
+    """benchmarks/generation_speed.py at a tiny size: both samplers timed, the same tokens, CSV and PNG written."""
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/generation_speed.py", "--new-tokens", "2,4", "--batch", "2", "--prompt-len", "3",
+         "--repeats", "1", "--out", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    with open(tmp_path / "generation_speed.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["sampler"], r["new_tokens"]) for r in rows] == [("cached", "2"), ("oracle", "2"), ("cached", "4"),
+                                                               ("oracle", "4")]
+    assert all(float(r["tokens_per_s"]) > 0 and r["same_tokens"] == "True" for r in rows)
+    assert (tmp_path / "generation_speed.png").stat().st_size > 0
+    assert "| 4 |" in proc.stdout
