@@ -177,8 +177,9 @@ def test_layout_invariance(one_rank, tp2, fsdp2, name):
     """
     base = one_rank[name]["cached"]
     fsdp, tp = mismatch_fraction(base, fsdp2[name]["cached"]), mismatch_fraction(base, tp2[name]["cached"])
-    print(f"{name}: completions differing from 1 rank: FSDP=2 {fsdp:.3f}, TP=2 {tp:.3f}; max log-prob diff "
-          f"FSDP=2 {max_logprob_diff(base, fsdp2[name]['cached']):.2e}, TP=2 {max_logprob_diff(base, tp2[name]['cached']):.2e}")
+    lp_fsdp, lp_tp = (max_logprob_diff(base, r[name]["cached"]) for r in (fsdp2, tp2))
+    print(f"{name}: completions differing from 1 rank: FSDP=2 {fsdp:.3f}, TP=2 {tp:.3f}; "
+          f"max log-prob diff FSDP=2 {lp_fsdp:.2e}, TP=2 {lp_tp:.2e}")
     assert fsdp == 0
     assert tp <= 1 / len(PROMPT_LENS)
 
