@@ -45,6 +45,8 @@ class Variant:
     gather: bool  # full_tensor() the vocab-sharded logits, then plain log-probs
     chunked: bool
     compiled: bool
+    fused: bool = False  # policy: plugin.logprobs.fused_chunked_loss, each chunk's backward run in forward
+    liger: bool = False  # policy, TP=1: Liger-Kernel's LigerFusedLinearGRPOLoss (optional, see benchmarks/README.md)
 
 
 VARIANTS = {
@@ -54,8 +56,11 @@ VARIANTS = {
     "loss_parallel_compiled": Variant(gather=False, chunked=False, compiled=True),
     "chunked": Variant(gather=False, chunked=True, compiled=False),
     "chunked_compiled": Variant(gather=False, chunked=True, compiled=True),
+    "fused": Variant(gather=False, chunked=True, compiled=False, fused=True),
+    "fused_compiled": Variant(gather=False, chunked=True, compiled=True, fused=True),
+    "liger": Variant(gather=False, chunked=True, compiled=True, liger=True),
 }
-DEFAULT_VARIANTS = "gather,loss_parallel,loss_parallel_compiled,chunked,chunked_compiled"
+DEFAULT_VARIANTS = "gather,loss_parallel,loss_parallel_compiled,chunked,chunked_compiled,fused,fused_compiled"
 PASSES = ("reference", "policy")
 
 # (batch, seq, vocab, dim, tp, dtype, chunk, repeats) per device kind; the GPU one is the
@@ -171,6 +176,8 @@ def build_head(args, mesh, device):
     torch.manual_seed(0)  # same full weights on every rank; each keeps its shard
     head = Head().to(device=device, dtype=getattr(torch, args.dtype))
     torch.nn.init.normal_(head.output.weight, std=args.dim**-0.5)
+    if mesh is None:  # Liger takes plain weights
+        return head
     return parallelize_module(head, mesh, {
         "norm": SequenceParallel(),
         "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
@@ -183,7 +190,7 @@ def worker(args) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from plugin.logprobs import chunked_logprobs, isolate_compile_cache
+    from plugin.logprobs import chunked_logprobs, fused_chunked_loss, isolate_compile_cache
 
     variant, pass_ = VARIANTS[args.variant_list[0]], args.pass_list[0]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -203,7 +210,9 @@ def worker(args) -> None:
     B, T, tp, dtype = args.batch, args.seq, world, getattr(torch, args.dtype)
     if T % tp:
         raise ValueError(f"--seq {T} must be divisible by --tp {tp}")
-    head = build_head(args, mesh, device)
+    if variant.liger and (tp > 1 or pass_ != "policy"):
+        raise ValueError("liger: LigerFusedLinearGRPOLoss is a policy pass at TP=1 only (--tp 1 --passes policy)")
+    head = build_head(args, None if variant.liger else mesh, device)
     policy = pass_ == "policy"
     torch.manual_seed(1 + rank)
     hidden = torch.randn(B, T // tp, args.dim, device=device, dtype=dtype, requires_grad=policy)  # [B, T/TP, D]
@@ -219,11 +228,36 @@ def worker(args) -> None:
         if fake:
             fake_oom(fake, f"{args.variant_list[0]}/{pass_}")
         # loss_parallel's backward must run inside the context too
+        if variant.liger:
+            from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+            # on-policy, beta = 0, token mean ("bnpo"): the same -(A * logprobs).mean() at ratio 1
+            liger = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, loss_type="bnpo",
+                                             temperature=args.temperature, chunk_size=1)
+            loss, _ = liger(head.norm(hidden), head.output.weight, labels, torch.ones_like(labels),
+                            advantages.view(-1))
+            loss.backward()
+            return torch.zeros(B, T)  # Liger returns no log-probs: no diff column
         with nullcontext() if variant.gather else loss_parallel(), torch.set_grad_enabled(policy):
+            if variant.fused and policy:
+                # the same loss, per token: -(A * logprob) / (B * T), minus the bonus's share of the mean entropy
+                adv_tokens = advantages.expand(B, T).reshape(-1)
+
+                def token_loss(lp, ent, index):
+                    loss = -(adv_tokens[index] * lp).sum() / (B * T)
+                    return loss - args.entropy_bonus * ent.sum() / (B * T) if args.entropy_bonus > 0 else loss
+
+                loss, logprobs, _ = fused_chunked_loss(
+                    hidden, labels, score_head, list(head.parameters()), token_loss, temperature=args.temperature,
+                    chunk_size=chunk, seq_shards=tp, compiled=variant.compiled, entropy_grad=args.entropy_bonus > 0,
+                )
+                loss.backward()
+                return logprobs
+            # the reference pass computes no entropy, as plugin.reference's
             logprobs, entropy = chunked_logprobs(
                 hidden, labels, score_head, temperature=args.temperature,
                 chunk_size=chunk, seq_shards=tp, compiled=variant.compiled,
-                entropy_grad=policy and args.entropy_bonus > 0,
+                entropy_grad=policy and args.entropy_bonus > 0, with_entropy=policy,
             )
             if policy:
                 loss = -(advantages * logprobs).mean()
@@ -358,7 +392,7 @@ def add_diffs(rows: list[dict]) -> None:
            for r in rows if r["variant"] == "gather" and r["status"] == OK}
     for r in rows:
         base = ref.get((r["pass_"], r["seq"]))
-        ok = base is not None and r["status"] == OK
+        ok = base is not None and r["status"] == OK and r["variant"] != "liger"
         r["max_abs_diff_vs_gather"] = (torch.load(r["logprobs"]) - base).abs().max().item() if ok else ""
 
 

@@ -90,6 +90,12 @@ def test_fused_matches_todays_path(mode):
     assert_same(train(True, mode), train(False, mode))
 
 
+def test_fused_tied_weights():
+    """qwen3's output layer shares the embedding's weight: its two gradients add up as today."""
+    qwen3 = ("--model.name", "grpo_qwen3")
+    assert_same(train(True, "token_mean", *qwen3), train(False, "token_mean", *qwen3))
+
+
 def test_fused_gradient_accumulation():
     """Two microbatches' gradients accumulate in .grad as today's do."""
     assert_same(train(True, "seq_mean_token_mean", microbatches=2), train(False, "seq_mean_token_mean", microbatches=2))
