@@ -64,6 +64,11 @@ def reward(prompt: str, completion: str) -> float:
     return 1.0 if int(match[1]) == answer(prompt) else 0.0
 
 
+def arith_reward(prompts: list[str], completions: list[str], completion_ids=None, **columns) -> list[float]:
+    """reward() of each completion, with TRL's reward-function signature (completions are decoded text)."""
+    return [reward(prompt, completion) for prompt, completion in zip(prompts, completions, strict=True)]
+
+
 def is_heldout(prompt: str) -> bool:
     """Whether a prompt belongs to the held-out split."""
     # crc32, unlike hash(), is the same in every process and on every platform.
