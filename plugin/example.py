@@ -1,7 +1,12 @@
-"""A bundled verifiable GRPO task (two-digit addition and subtraction) and its tokenizer.
+"""A bundled verifiable GRPO task (two-digit addition and subtraction), its compare variant, and the tokenizer.
 
 Rollout rows are JSONL: {"prompt": "Q: 37+45=", "completion": " 82\\n", "reward": 1.0, "group": 0}.
 All completions sampled for one prompt share `group`; the reward comes only from `reward()`.
+
+The compare variant, the online example's task (train_configs/online_cpu.toml), writes one digit
+per token: "Q: 3 7 max 4 5 =" -> " 4 5\\n", "Q: 3 7 min 4 5 =" -> " 3 7\\n". Its answer is a
+copy chosen by a comparison, which the debugmodel learns within a minute on 2 CPU cores; the
+digits of a sum (mod 10) it did not learn in five (see `warmup_rollouts`).
 
 Usage:
     python -m plugin.example rollouts --split train --out data/arith_rollouts.jsonl \\
@@ -9,11 +14,15 @@ Usage:
     python -m plugin.example rollouts --split heldout --out data/arith_heldout.jsonl \\
         --groups 64 --group-size 4 --seed 1
     python -m plugin.example tokenizer --out plugin/assets/tokenizer
+    python -m plugin.example warmup --out data/compare_warmup.jsonl --groups 1024 --seed 2
+    python -m plugin.example prompts --split train --out data/compare_prompts.jsonl --count 4096
+    python -m plugin.example prompts --split heldout --out data/compare_heldout.jsonl --count 256 --seed 3
 
 Simplifications:
 1. Completions come from a noisy rule-based solver, not from a policy model.
 2. Operands are 0..99 and the operator is + or -, so the prompt space has 20,000 prompts.
 3. A prompt is held out iff crc32(prompt) % 8 == 0; the split is fixed, seeds only pick from it.
+4. Compare prompts have two-digit operands 0..99 (zero-padded) and max or min: 20,000 prompts.
 """
 
 import argparse
@@ -34,22 +43,42 @@ END = "\n"
 OPERAND_MAX = 99
 HELDOUT_MODULUS = 8
 
+COMPARE_OPS = ("max", "min")
+
 _PROMPT_RE = re.compile(r"Q: (\d+)([+-])(\d+)=")
 # Canonical integers only: no leading zeros, no "-0", exactly one leading space.
 _COMPLETION_RE = re.compile(r" (0|-?[1-9]\d*)" + re.escape(END))
+_COMPARE_RE = re.compile(r"Q: (\d) (\d) (max|min) (\d) (\d) =")
 
 
 def make_prompt(a: int, op: str, b: int) -> str:
     return f"Q: {a}{op}{b}="
 
 
+def spell(n: int) -> str:
+    """A compare operand or answer, two digits with a space between: spell(5) == "0 5"."""
+    return " ".join(f"{n:02d}")
+
+
+def make_compare_prompt(a: int, op: str, b: int) -> str:
+    return f"Q: {spell(a)} {op} {spell(b)} ="
+
+
 def answer(prompt: str) -> int:
     """The exact result of the prompt's expression."""
-    match = _PROMPT_RE.fullmatch(prompt)
-    if match is None:
-        raise ValueError(f"not an arithmetic prompt: {prompt!r}")
-    a, op, b = int(match[1]), match[2], int(match[3])
-    return a + b if op == "+" else a - b
+    if match := _PROMPT_RE.fullmatch(prompt):
+        a, op, b = int(match[1]), match[2], int(match[3])
+        return a + b if op == "+" else a - b
+    if match := _COMPARE_RE.fullmatch(prompt):
+        a, b = int(match[1] + match[2]), int(match[4] + match[5])
+        return max(a, b) if match[3] == "max" else min(a, b)
+    raise ValueError(f"not an arithmetic prompt: {prompt!r}")
+
+
+def completion_for(prompt: str) -> str:
+    """The one completion that scores 1.0: " 82\\n" for "Q: 37+45=", " 4 5\\n" for "Q: 3 7 max 4 5 ="."""
+    value = answer(prompt)
+    return f" {spell(value) if _COMPARE_RE.fullmatch(prompt) else value}{END}"
 
 
 def reward(prompt: str, completion: str) -> float:
@@ -57,7 +86,10 @@ def reward(prompt: str, completion: str) -> float:
 
     Anything else scores 0.0: a wrong number, a missing or doubled end marker, extra or missing
     spaces, leading zeros, "-0", or any text before or after the number. No partial credit.
+    Compare answers have exactly two digits, as the operands do: " 0 5\\n", not " 5\\n".
     """
+    if _COMPARE_RE.fullmatch(prompt):
+        return 1.0 if completion == completion_for(prompt) else 0.0
     match = _COMPLETION_RE.fullmatch(completion)
     if match is None:
         return 0.0
@@ -66,6 +98,7 @@ def reward(prompt: str, completion: str) -> float:
 
 def arith_reward(prompts: list[str], completions: list[str], completion_ids=None, **columns) -> list[float]:
     """reward() of each completion, with TRL's reward-function signature (completions are decoded text)."""
+    # the prompt fixes the answer: a prompts file's "answer" column is for people and other tools
     return [reward(prompt, completion) for prompt, completion in zip(prompts, completions, strict=True)]
 
 
@@ -75,17 +108,18 @@ def is_heldout(prompt: str) -> bool:
     return zlib.crc32(prompt.encode()) % HELDOUT_MODULUS == 0
 
 
-def prompt_pool(split: str) -> list[str]:
-    """All prompts of one split, in a fixed order."""
+def prompt_pool(split: str, compare: bool = False) -> list[str]:
+    """All prompts of one split, of the arithmetic task or its compare variant, in a fixed order."""
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
     want_heldout = split == "heldout"
+    make, ops = (make_compare_prompt, COMPARE_OPS) if compare else (make_prompt, "+-")
     return [
         prompt
-        for op in "+-"
+        for op in ops
         for a in range(OPERAND_MAX + 1)
         for b in range(OPERAND_MAX + 1)
-        if is_heldout(prompt := make_prompt(a, op, b)) == want_heldout
+        if is_heldout(prompt := make(a, op, b)) == want_heldout
     ]
 
 
@@ -135,6 +169,40 @@ def generate_rollouts(
             for c, r in zip(completions, rewards)
         )
     return rows
+
+
+def warmup_rollouts(n_groups: int, seed: int) -> list[dict]:
+    """Flat rollout rows for the online example's warm-up: per compare train prompt, its answer
+    (reward 1) and a companion that stops at once (reward 0), as group `i`.
+
+    Through the GRPO loss this is supervised fine-tuning on the answers. A group needs two rewards
+    for a non-zero advantage (+-0.71 here). The companion, the EOS alone, comes with a behaviour
+    log-prob of 0, so its ratio is the policy's p(EOS | prompt), below 1 - clip_low, where the
+    clipped objective of a negative advantage is flat: it gets no gradient. A wrong answer as the
+    companion would cancel the right one's gradient on every token the two share and push its own
+    end marker down; with random wrong sums (operands spelled out) the policy lost the end marker.
+    """
+    from tokenizers import Tokenizer
+
+    eos_id = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json")).token_to_id(EOS_TOKEN)
+    rng = random.Random(seed)
+    pool = prompt_pool("train", compare=True)
+    if n_groups > len(pool):
+        raise ValueError(f"train has only {len(pool)} prompts, asked for {n_groups}")
+    rows = []
+    for group, prompt in enumerate(rng.sample(pool, n_groups)):
+        rows.append({"prompt": prompt, "completion": completion_for(prompt), "reward": 1.0, "group": group})
+        rows.append({"prompt": prompt, "completion_ids": [eos_id], "reward": 0.0, "group": group,
+                     "logprobs": [0.0]})
+    return rows
+
+
+def prompt_rows(split: str, count: int | None, seed: int) -> list[dict]:
+    """Compare prompts of `split` with their answers, for online sampling; the whole split if `count` is None."""
+    pool = prompt_pool(split, compare=True)
+    if count is not None and not 0 < count <= len(pool):
+        raise ValueError(f"{split} has {len(pool)} prompts, asked for {count}")
+    return [{"prompt": p, "answer": answer(p)} for p in random.Random(seed).sample(pool, count or len(pool))]
 
 
 def write_jsonl(rows: list[dict], path: str | Path) -> None:
@@ -225,11 +293,23 @@ def main(argv: list[str] | None = None) -> None:
     rollouts.add_argument("--seed", type=int, required=True)
     tok = sub.add_parser("tokenizer", help="train and write the bundled tokenizer")
     tok.add_argument("--out", default=str(TOKENIZER_DIR))
+    warmup = sub.add_parser("warmup", help="write the online example's warm-up rollouts (compare, train split)")
+    warmup.add_argument("--out", required=True)
+    warmup.add_argument("--groups", type=int, required=True)
+    warmup.add_argument("--seed", type=int, required=True)
+    prompts = sub.add_parser("prompts", help="write compare prompts with their answers, for online sampling")
+    prompts.add_argument("--out", required=True)
+    prompts.add_argument("--split", required=True, choices=["train", "heldout"])
+    prompts.add_argument("--count", type=int, help="how many, drawn without replacement; default: the whole split")
+    prompts.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
     if args.command == "rollouts":
-        rows = generate_rollouts(args.groups, args.group_size, args.seed, args.split)
-        write_jsonl(rows, args.out)
+        write_jsonl(generate_rollouts(args.groups, args.group_size, args.seed, args.split), args.out)
+    elif args.command == "warmup":
+        write_jsonl(warmup_rollouts(args.groups, args.seed), args.out)
+    elif args.command == "prompts":
+        write_jsonl(prompt_rows(args.split, args.count, args.seed), args.out)
     else:
         train_tokenizer(args.out)
 
