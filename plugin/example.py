@@ -46,8 +46,6 @@ HELDOUT_MODULUS = 8
 COMPARE_OPS = ("max", "min")
 
 _PROMPT_RE = re.compile(r"Q: (\d+)([+-])(\d+)=")
-# Canonical integers only: no leading zeros, no "-0", exactly one leading space.
-_COMPLETION_RE = re.compile(r" (0|-?[1-9]\d*)" + re.escape(END))
 _COMPARE_RE = re.compile(r"Q: (\d) (\d) (max|min) (\d) (\d) =")
 
 
@@ -76,24 +74,22 @@ def answer(prompt: str) -> int:
 
 
 def completion_for(prompt: str) -> str:
-    """The one completion that scores 1.0: " 82\\n" for "Q: 37+45=", " 4 5\\n" for "Q: 3 7 max 4 5 ="."""
+    """The one completion that scores 1.0: " 82\\n" for "Q: 37+45=", " 4 5\\n" for "Q: 3 7 max 4 5 =".
+
+    Numbers are canonical: no leading zeros and no "-0" (compare answers are always two digits).
+    """
     value = answer(prompt)
     return f" {spell(value) if _COMPARE_RE.fullmatch(prompt) else value}{END}"
 
 
 def reward(prompt: str, completion: str) -> float:
-    """1.0 iff the completion is exactly " <answer>\\n" with the right canonical integer, else 0.0.
+    """1.0 iff the completion is exactly completion_for(prompt), else 0.0; a foreign prompt raises.
 
     Anything else scores 0.0: a wrong number, a missing or doubled end marker, extra or missing
     spaces, leading zeros, "-0", or any text before or after the number. No partial credit.
     Compare answers have exactly two digits, as the operands do: " 0 5\\n", not " 5\\n".
     """
-    if _COMPARE_RE.fullmatch(prompt):
-        return 1.0 if completion == completion_for(prompt) else 0.0
-    match = _COMPLETION_RE.fullmatch(completion)
-    if match is None:
-        return 0.0
-    return 1.0 if int(match[1]) == answer(prompt) else 0.0
+    return 1.0 if completion == completion_for(prompt) else 0.0
 
 
 def arith_reward(prompts: list[str], completions: list[str], completion_ids=None, **columns) -> list[float]:

@@ -153,3 +153,142 @@ def test_tokenizer_cli_is_reproducible(tmp_path):
     example.main(["tokenizer", "--out", str(tmp_path)])
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (tmp_path / name).read_bytes() == (example.TOKENIZER_DIR / name).read_bytes()
+
+
+# The compare variant: the online example's task, its warm-up rollouts and prompts files.
+
+COMPARE_WARMUP = REPO / "data" / "compare_warmup.jsonl"
+COMPARE_PROMPTS = REPO / "data" / "compare_prompts.jsonl"
+COMPARE_HELDOUT = REPO / "data" / "compare_heldout.jsonl"
+
+
+@pytest.mark.parametrize(
+    "prompt, completion, expected",
+    [
+        ("Q: 3 7 max 4 5 =", " 4 5\n", 1.0),
+        ("Q: 3 7 min 4 5 =", " 3 7\n", 1.0),
+        ("Q: 0 5 max 0 3 =", " 0 5\n", 1.0),
+        ("Q: 9 9 min 9 9 =", " 9 9\n", 1.0),
+        ("Q: 3 7 max 4 5 =", " 3 7\n", 0.0),
+        ("Q: 3 7 min 4 5 =", " 4 5\n", 0.0),
+        # exactly two digits, spaced as the operands are, one end marker
+        ("Q: 0 5 max 0 3 =", " 5\n", 0.0),
+        ("Q: 3 7 max 4 5 =", " 45\n", 0.0),
+        ("Q: 3 7 max 4 5 =", "4 5\n", 0.0),
+        ("Q: 3 7 max 4 5 =", " 4 5", 0.0),
+        ("Q: 3 7 max 4 5 =", " 4 5\n\n", 0.0),
+        ("Q: 3 7 max 4 5 =", " 4 5 \n", 0.0),
+        ("Q: 3 7 max 4 5 =", "", 0.0),
+    ],
+)
+def test_compare_reward(prompt, completion, expected):
+    assert example.reward(prompt, completion) == expected
+
+
+@pytest.mark.parametrize("prompt", ["Q: 3 7 max 4 5", "Q: 37 max 45 =", "Q: 3 7 mid 4 5 =", "Q: 3 7 max 4 5 6 ="])
+def test_compare_reward_rejects_foreign_prompt(prompt):
+    with pytest.raises(ValueError):
+        example.reward(prompt, " 4 5\n")
+
+
+def test_arith_reward_has_trls_signature():
+    prompts = ["Q: 37+45=", "Q: 37+45=", "Q: 3 7 max 4 5 =", "Q: 3 7 min 4 5 ="]
+    completions = [" 82\n", " 83\n", " 4 5\n", " 4 5\n"]
+    # TRL passes the token ids and the prompts file's other columns as keywords
+    rewards = example.arith_reward(prompts=prompts, completions=completions, completion_ids=[[1]] * 4,
+                                   answer=[82, 82, 45, 37])
+    assert rewards == [1.0, 0.0, 1.0, 0.0]
+    with pytest.raises(ValueError):
+        example.arith_reward(prompts[:3], completions, None)
+
+
+def test_compare_pools_partition_the_prompt_space(tokenizer):
+    train, heldout = example.prompt_pool("train", compare=True), example.prompt_pool("heldout", compare=True)
+    assert len(train) + len(heldout) == len(set(train) | set(heldout)) == 2 * 100 * 100
+    assert 2000 < len(heldout) < 3000 and all(example.is_heldout(p) for p in heldout)
+    # one digit per token, and every prompt the same length: max and min are two tokens each
+    assert tokenizer.tokenizer.encode("Q: 3 7 max 4 5 = 4 5\n").tokens == [
+        "Q", ":", "Ġ3", "Ġ7", "Ġma", "x", "Ġ4", "Ġ5", "Ġ", "=", "Ġ4", "Ġ5", "Ċ"]
+    assert {len(tokenizer.encode(p)) for p in train[::97] + heldout[::13]} == {10}
+
+
+def test_warmup_rollouts_pair_each_answer_with_an_inert_companion(tokenizer):
+    rows = example.warmup_rollouts(n_groups=50, seed=7)
+    assert rows == example.warmup_rollouts(n_groups=50, seed=7)
+    assert len(rows) == 100 and len({r["prompt"] for r in rows}) == 50
+    for right, companion in zip(rows[::2], rows[1::2]):
+        assert right["group"] == companion["group"] and right["prompt"] == companion["prompt"]
+        assert not example.is_heldout(right["prompt"])
+        assert right["reward"] == example.reward(right["prompt"], right["completion"]) == 1.0
+        assert companion == {"prompt": right["prompt"], "completion_ids": [tokenizer.eos_id], "reward": 0.0,
+                             "group": right["group"], "logprobs": [0.0]}
+    with pytest.raises(ValueError):
+        example.warmup_rollouts(n_groups=17_501, seed=0)
+
+
+def test_warmup_companion_gets_no_gradient(tokenizer):
+    """The committed warm-up file through the plugin's data path and GRPO loss is SFT on the answers."""
+    from functools import partial
+    from types import SimpleNamespace
+
+    import torch
+
+    from plugin.config import GRPO
+    from plugin.data import Collate
+    from plugin.logprobs import compute_logprobs
+    from plugin.loss import grpo_loss, grpo_token_terms
+    from plugin.rollouts import Encoder, index_rollouts
+
+    seq_len = 16  # train_configs/online_warmup_cpu.toml
+    index = index_rollouts(str(COMPARE_WARMUP), Encoder(tokenizer, 2048, seq_len))
+    assert (index.num_groups, index.group_size) == (1024, 2)
+    items = list(range(16))
+    rewards = torch.from_numpy(index.rewards[items])
+    batch, labels = Collate(seq_len, tokenizer.eos_id, GRPO(), 2)(
+        rewards, torch.from_numpy(index.lengths[items]).long(), items, index.read(items))
+    rollouts = batch["rollouts"]
+    logits = torch.randn(16, seq_len, 2048, dtype=torch.float64, requires_grad=True)  # p(EOS) ~ 1/2048
+    logprobs = compute_logprobs(logits, labels)
+    pred = SimpleNamespace(logprobs=logprobs, old_logprobs=rollouts.old_logprobs, ref_logprobs=None,
+                           advantages=rollouts.advantages, loss_weights=rollouts.loss_weights,
+                           entropy=torch.zeros_like(logprobs), stats=None)
+    grpo_loss(pred, labels, token_terms_fn=partial(grpo_token_terms, clip_low=0.2, clip_high=0.2, beta=0.0,
+                                                    kl_estimator="k3")).backward()
+    right = rewards == 1
+    assert torch.allclose(rollouts.advantages[right], torch.tensor(2**-0.5), atol=1e-3)
+    assert logits.grad[~right].abs().max() == 0
+    # the answers' gradient is that of advantage-weighted log-likelihood: supervised fine-tuning
+    sft = logits.detach().requires_grad_()
+    (-(compute_logprobs(sft, labels)[right].sum(1) * rollouts.advantages[right])).sum().backward()
+    torch.testing.assert_close(logits.grad[right], sft.grad[right])
+
+
+def test_prompt_rows():
+    rows = example.prompt_rows("heldout", count=20, seed=5)
+    assert rows == example.prompt_rows("heldout", count=20, seed=5)
+    assert len({r["prompt"] for r in rows}) == 20
+    assert all(example.is_heldout(r["prompt"]) and r["answer"] == example.answer(r["prompt"]) for r in rows)
+    assert len(example.prompt_rows("train", count=None, seed=0)) == 17_500
+    with pytest.raises(ValueError):
+        example.prompt_rows("heldout", count=0, seed=0)
+
+
+@pytest.mark.parametrize(
+    "path, args",
+    [
+        (COMPARE_WARMUP, ["warmup", "--groups", "1024", "--seed", "2"]),
+        (COMPARE_PROMPTS, ["prompts", "--split", "train", "--count", "4096"]),
+        (COMPARE_HELDOUT, ["prompts", "--split", "heldout", "--count", "256", "--seed", "3"]),
+    ],
+)
+def test_committed_compare_files_match_cli(tmp_path, path, args):
+    out = tmp_path / path.name
+    example.main([*args, "--out", str(out)])
+    assert out.read_bytes() == path.read_bytes()
+
+
+def test_compare_heldout_disjoint_from_training():
+    heldout = {row["prompt"] for row in read_rows(COMPARE_HELDOUT)}
+    trained = {row["prompt"] for path in (COMPARE_WARMUP, COMPARE_PROMPTS) for row in read_rows(path)}
+    assert len(heldout) == 256 and all(example.is_heldout(p) for p in heldout)
+    assert not heldout & trained and not any(example.is_heldout(p) for p in trained)
