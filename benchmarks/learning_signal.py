@@ -50,7 +50,8 @@ def load_policy(checkpoint: Path, max_seq_len: int = SEQ_LEN) -> torch.nn.Module
     # the rotary table (freqs_cis) is a non-persistent buffer: any max_seq_len loads any checkpoint
     model = spec.model_cls(dataclasses.replace(spec.model_args["debugmodel"], max_seq_len=max_seq_len))
     out = Path(f"{checkpoint}.pt")
-    if not out.exists():
+    # converted once per checkpoint; again when the folder was written anew (a re-run warm-up)
+    if not out.exists() or out.stat().st_mtime < (Path(checkpoint) / ".metadata").stat().st_mtime:
         dcp_to_torch_save(str(checkpoint), str(out))
     saved = torch.load(out, weights_only=False)
     # a full checkpoint keeps the model's entries at top level, next to "optimizer" and the rest
