@@ -283,16 +283,10 @@ def validate_job(job_config) -> None:
     if r.checkpoint_path:
         r.checkpoint_format = reference_checkpoint_format(r.checkpoint_path, r.checkpoint_format)
     p = job_config.parallelism
-    if p.pipeline_parallel_degree > 1:
-        raise ValueError(
-            f"[parallelism] pipeline_parallel_degree = {p.pipeline_parallel_degree}: pipeline parallelism "
-            "is not supported by the GRPO models yet; use tensor_parallel_degree and data_parallel_shard_degree"
-        )
-    if p.context_parallel_degree > 1:
-        raise ValueError(
-            f"[parallelism] context_parallel_degree = {p.context_parallel_degree}: context parallelism "
-            "is not supported by the GRPO models yet"
-        )
+    for kind, hint in (("pipeline", "; use tensor_parallel_degree and data_parallel_shard_degree"), ("context", "")):
+        if (degree := getattr(p, f"{kind}_parallel_degree")) > 1:
+            raise ValueError(f"[parallelism] {kind}_parallel_degree = {degree}: {kind} parallelism "
+                             f"is not supported by the GRPO models yet{hint}")
     tp = p.tensor_parallel_degree
     compile_model = job_config.compile.enable and "model" in job_config.compile.components
     if cpu.is_active() and tp > 1 and compile_model and job_config.activation_checkpoint.mode != "none":
@@ -303,15 +297,14 @@ def validate_job(job_config) -> None:
             "(torch 2.13): set [activation_checkpoint] mode = \"none\""
         )
     for key in ("logprob_chunk_size", "logprob_chunk_tokens"):
-        chunk = getattr(job_config.grpo, key)
-        if tp > 1 and chunk % tp:
+        if tp > 1 and (chunk := getattr(g, key)) % tp:
             raise ValueError(
                 f"[grpo] {key} = {chunk} must be a multiple of "
                 f"[parallelism] tensor_parallel_degree = {tp}: each rank scores its sequence shard in chunks"
             )
-    if job_config.grpo.logprob_chunk_size > 0:
+    if g.logprob_chunk_size > 0:
         logger.warning(
-            f"[grpo] logprob_chunk_size = {job_config.grpo.logprob_chunk_size} counts positions of each sequence, "
+            f"[grpo] logprob_chunk_size = {g.logprob_chunk_size} counts positions of each sequence, "
             "so a chunk's memory grows with the batch size; it overrides logprob_chunk_tokens and logprob_chunk_mib, "
             "which count tokens of the whole batch (set logprob_chunk_size = 0 to use them)"
         )
