@@ -95,6 +95,12 @@ class _CPUDeviceModule:
     def reset_peak_memory_stats(self, device=None) -> None:
         reset_peak_rss()
 
+    def memory_allocated(self, device=None) -> int:
+        return current_rss_bytes()
+
+    def max_memory_allocated(self, device=None) -> int:
+        return peak_rss_bytes()
+
     def empty_cache(self) -> None:
         pass
 

@@ -20,30 +20,15 @@ _HOST_KEYS = ("seqs", "ref_passes", "ref_time")
 _MAX_KEYS = ("ref_peak_mem", "ref_peak_growth")
 
 
-def memory_peak_bytes(device: torch.device) -> int:
-    """Peak memory since the last reset: allocated bytes on CUDA, the process's peak RSS on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return cpu.peak_rss_bytes()
+def _memory(device: torch.device):
+    """torch.cuda's memory queries, or on the CPU plugin.cpu's answers to them (the process's RSS)."""
+    return torch.cuda if device.type == "cuda" else cpu.device_module
 
 
-def memory_now_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.memory_allocated(device)
-    return cpu.current_rss_bytes()
-
-
-def reset_memory_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    else:
-        cpu.reset_peak_rss()
-
-
-def device_peaks(device: torch.device) -> tuple[int, int]:
-    """The (active, reserved) byte peaks that torchtitan's memory monitor reads, since their last reset."""
-    stats = torch.cuda.memory_stats(device) if device.type == "cuda" else cpu.device_module.memory_stats()
-    return stats.get("active_bytes.all.peak", 0), stats.get("reserved_bytes.all.peak", 0)
+def _grpo_stats(processor: MetricsProcessor) -> "GRPOStats | None":
+    # the trainer sets the processor's model_parts after building it
+    parts = processor.model_parts
+    return getattr(parts[0], "grpo_stats", None) if parts else None
 
 
 class GRPOStats:
@@ -104,10 +89,14 @@ class GRPOStats:
     @contextmanager
     def reference_pass(self, device: torch.device):
         """Time the reference scoring pass and record its peak memory (absolute and growth)."""
-        # the reset below would hide the step's peak so far from torchtitan's memory/max_* tags
-        self.device_peaks = tuple(map(max, self.device_peaks, device_peaks(device)))
-        reset_memory_peak(device)
-        start_mem = memory_now_bytes(device)
+        mem = _memory(device)
+        # the reset below would hide the step's peak so far from torchtitan's memory/max_* tags:
+        # keep the (active, reserved) peaks its memory monitor reads
+        stats = mem.memory_stats(device)
+        peaks = stats.get("active_bytes.all.peak", 0), stats.get("reserved_bytes.all.peak", 0)
+        self.device_peaks = tuple(map(max, self.device_peaks, peaks))
+        mem.reset_peak_memory_stats(device)
+        start_mem = mem.memory_allocated(device)
         if device.type == "cuda":
             # events time the pass on the stream without synchronizing; reduce() reads them
             events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -121,7 +110,7 @@ class GRPOStats:
             self.sums["ref_time"] += time.perf_counter() - start
         self.sums["ref_passes"] += 1
         # the allocator's peak is a host-side counter: reading it does not synchronize
-        peak = memory_peak_bytes(device)
+        peak = mem.max_memory_allocated(device)
         self.peaks["ref_peak_mem"] = max(self.peaks["ref_peak_mem"], peak / _GIB)
         self.peaks["ref_peak_growth"] = max(self.peaks["ref_peak_growth"], (peak - start_mem) / _GIB)
 
@@ -228,26 +217,20 @@ class PeakKeepingMemoryMonitor:
     def __getattr__(self, name):
         return getattr(self._monitor, name)
 
-    def _stats(self):
-        # the trainer sets the processor's model_parts after building it
-        parts = self._processor.model_parts
-        return getattr(parts[0], "grpo_stats", None) if parts else None
-
     def get_peak_stats(self):
         mem = self._monitor.get_peak_stats()
-        stats = self._stats()
+        stats = _grpo_stats(self._processor)
         if stats is None:
             return mem
-        gib = 1 / _GIB
-        active = max(mem.max_active_gib, stats.device_peaks[0] * gib)
-        reserved = max(mem.max_reserved_gib, stats.device_peaks[1] * gib)
+        active = max(mem.max_active_gib, stats.device_peaks[0] / _GIB)
+        reserved = max(mem.max_reserved_gib, stats.device_peaks[1] / _GIB)
         pct = 100 / self._monitor.device_capacity_gib
         return mem._replace(max_active_gib=active, max_active_pct=active * pct,
                             max_reserved_gib=reserved, max_reserved_pct=reserved * pct)
 
     def reset_peak_stats(self):
         self._monitor.reset_peak_stats()
-        if (stats := self._stats()) is not None:
+        if (stats := _grpo_stats(self._processor)) is not None:
             stats.device_peaks = (0, 0)
 
 
@@ -259,7 +242,7 @@ class GRPOMetricsProcessor(MetricsProcessor):
         self.device_memory_monitor = PeakKeepingMemoryMonitor(self.device_memory_monitor, self)
 
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
-        stats = getattr(self.model_parts[0], "grpo_stats", None) if self.model_parts else None
+        stats = _grpo_stats(self)
         if stats is not None:
             # TP/CP ranks hold copies of the same batch: reduce over the data-parallel ranks only
             mesh = self.parallel_dims.get_optional_mesh("batch") if self.parallel_dims.dp_enabled else None
