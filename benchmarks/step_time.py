@@ -1,0 +1,273 @@
+"""End-to-end step time of GRPO against torchtitan's own cross-entropy training, same model and batch shape.
+
+Variants, each a torchrun job of torchtitan's train.py on --tp ranks (train_configs/debug_cpu.toml with
+the model, batch and sequence length overridden):
+    ce          torchtitan's `llama3` TrainSpec and cross-entropy loss on a local text dataset
+    grpo_beta0  `grpo_llama3`, [grpo] beta = 0: no reference model
+    grpo_beta   `grpo_llama3`, [grpo] beta = --beta: a frozen reference, one extra forward per microbatch
+    forward     not training: the `llama3` model's forward and cross-entropy under no_grad and loss_parallel,
+                parallelized as torchtitan's Trainer does it; the cost of one extra forward pass
+
+Simplifications:
+1. Step time is torchtitan's own `time_metrics/end_to_end(s)` (rank 0's wall seconds between two logged
+   steps, log_freq 1: data loading, forward, backward, optimizer, metrics), read from TensorBoard.
+   The first --warmup steps of every job are dropped.
+2. Random weights, fp32, no compile. Every GRPO token is a completion token (32 random prompt ids,
+   seq_len + 1 - 32 random completion ids, group size 4, random 0/1 rewards), so the GRPO loss
+   covers as many positions as cross-entropy does; the CE text is the bundled arithmetic rollouts
+   packed into seq_len windows, as torchtitan packs c4.
+3. On a shared CPU wall time follows the other jobs: the variants run interleaved, --repeats rounds,
+   each round in a rotated order; a variant's ratio to CE is the median over rounds of
+   (its median step / CE's median step in the same round).
+
+Usage: python benchmarks/step_time.py [--flavor debugmodel] [--batch 8] [--seq-len 256] [--repeats 4]
+The defaults take about 10 minutes on 2 cores. --smoke runs a tiny shape once (about a minute).
+Writes <out>/step_time.csv and .png (default benchmarks/results/) and prints a table.
+"""
+
+import argparse
+import csv
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from job_status import run_job
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = "train_configs/debug_cpu.toml"
+VARIANTS = ("ce", "grpo_beta0", "grpo_beta", "forward")
+TRAINING = VARIANTS[:3]
+GROUP_SIZE = 4
+PROMPT_LEN = 32
+COLUMNS = ("variant", "flavor", "batch", "seq_len", "tp", "beta", "repeats", "steps_timed", "median_step_s",
+           "ratio_to_ce", "ratio_min", "ratio_max", "round_medians_s", "ref_pass_s", "target_ratio", "meets_target")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--flavor", default="debugmodel", help="a llama3 flavor")
+    p.add_argument("--batch", type=int, default=8, help="local_batch_size, a multiple of the group size 4")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (ranks)")
+    p.add_argument("--beta", type=float, default=0.04, help="[grpo] beta of the grpo_beta variant")
+    p.add_argument("--steps", type=int, default=12, help="training steps (forward calls) per job")
+    p.add_argument("--warmup", type=int, default=4, help="first steps of each job left out")
+    p.add_argument("--repeats", type=int, default=4, help="rounds of all variants")
+    p.add_argument("--smoke", action="store_true", help="a tiny shape, one round: checks that it runs")
+    p.add_argument("--timeout", type=int, default=600, help="seconds per job")
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    p.add_argument("--worker", metavar="JSON", help=argparse.SUPPRESS)  # the forward job, set by the launcher
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.batch, args.seq_len, args.steps, args.warmup, args.repeats = GROUP_SIZE, 48, 2, 1, 1
+    if args.batch % GROUP_SIZE:
+        p.error(f"--batch {args.batch} must be a multiple of the group size {GROUP_SIZE}")
+    if args.seq_len <= PROMPT_LEN or args.seq_len % args.tp:
+        p.error(f"--seq-len {args.seq_len} must exceed {PROMPT_LEN} and be divisible by --tp {args.tp}")
+    if args.steps <= args.warmup:
+        p.error(f"--steps {args.steps} must exceed --warmup {args.warmup}")
+    return args
+
+
+def write_data(folder: Path, seq_len: int) -> None:
+    """The CE text folder (a c4_test-style dataset) and the GRPO rollout file."""
+    (folder / "text").mkdir()
+    with open(REPO / "data" / "arith_rollouts.jsonl") as f:
+        lines = [json.loads(line) for line in f]
+    with open(folder / "text" / "train.jsonl", "w") as f:
+        for i in range(0, len(lines), 8):  # a document per two groups
+            f.write(json.dumps({"text": " ".join(r["prompt"] + r["completion"] for r in lines[i : i + 8])}) + "\n")
+    rng, vocab = random.Random(0), 2048  # the llama3 flavors' ids of the bundled tokenizer
+    with open(folder / "rollouts.jsonl", "w") as f:
+        for _ in range(64):
+            row = {"prompt_ids": [rng.randrange(3, vocab) for _ in range(PROMPT_LEN)],
+                   # prompt + completion = seq_len + 1: the input fills seq_len with no padding
+                   "completions_ids": [[rng.randrange(3, vocab) for _ in range(seq_len + 1 - PROMPT_LEN)]
+                                       for _ in range(GROUP_SIZE)],
+                   "rewards": [float(rng.random() < 0.5) for _ in range(GROUP_SIZE)]}
+            f.write(json.dumps(row) + "\n")
+
+
+def overrides(args, variant: str, data: Path) -> list[str]:
+    """torchtitan command-line overrides of the bundled config for one variant."""
+    common = ["--model.flavor", args.flavor, "--training.local_batch_size", str(args.batch),
+              "--training.seq_len", str(args.seq_len), "--training.steps", str(args.steps),
+              "--parallelism.tensor_parallel_degree", str(args.tp), "--metrics.log_freq", "1",
+              "--metrics.enable_tensorboard"]
+    if variant in ("ce", "forward"):
+        return common + ["--model.name", "llama3", "--training.dataset", "c4_test",
+                         "--training.dataset_path", str(data / "text")]
+    beta = 0.0 if variant == "grpo_beta0" else args.beta
+    return common + ["--training.dataset_path", str(data / "rollouts.jsonl"), "--grpo.beta", str(beta)]
+
+
+def run_variant(args, variant: str, data: Path, dump: Path, env: dict) -> dict:
+    """One job: its step times after the warm-up, and for grpo_beta the reference pass's."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.tp}",
+                "--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0", "--local-ranks-filter=0"]
+    dump.mkdir()
+    if variant == "forward":
+        cmd = launcher + [str(Path(__file__).resolve()), "--worker",
+                          json.dumps({"argv": overrides(args, variant, data), "out": str(dump / "forward.json"),
+                                      "steps": args.steps})]
+    else:
+        cmd = launcher + ["-m", "torchtitan.train", "--job.config_file", CONFIG, "--job.dump_folder", str(dump),
+                          *overrides(args, variant, data)]
+    code, out = run_job(cmd, env=env, cwd=REPO, timeout=args.timeout)
+    if code != 0:
+        sys.stderr.write(out[-6000:])
+        raise RuntimeError(f"{variant}: the job {'timed out' if code is None else f'exited {code}'}")
+    if variant == "forward":
+        times = json.loads((dump / "forward.json").read_text())
+        return {"times": times[args.warmup :], "ref": []}
+    tags = scalars(dump)
+    step_times = tags["time_metrics/end_to_end(s)"]
+    return {"times": step_times[args.warmup :], "ref": tags.get("grpo/ref_time(s)", [])[args.warmup :]}
+
+
+def scalars(dump: Path) -> dict[str, list[float]]:
+    """TensorBoard scalars of a job's dump folder: tag -> values in step order."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = {}
+    for run_dir in sorted((dump / "tb").iterdir()):
+        acc = EventAccumulator(str(run_dir))
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            out[tag] = [e.value for e in sorted(acc.Scalars(tag), key=lambda e: e.step)]
+    return out
+
+
+def forward_worker(spec: dict) -> None:
+    """The `llama3` model's forward + cross-entropy under no_grad, on this rank of a TP group; rank 0 writes the times."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor.parallel import loss_parallel
+    from torchtitan.config import ConfigManager
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    import plugin  # noqa: F401  (its CPU patches, as custom_import applies them in the training jobs)
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    dist.init_process_group("gloo")
+    cfg = ConfigManager().parse_args(["--job.config_file", str(REPO / CONFIG), *spec["argv"]])
+    world = dist.get_world_size()
+    train_spec = get_train_spec(cfg.model.name)
+    model_args = train_spec.model_args[cfg.model.flavor]
+    model_args.update_from_config(cfg)
+    pd = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=world, pp=1, ep=1, etp=1, world_size=world)
+    with torch.device("meta"):
+        model = train_spec.model_cls(model_args)
+    model = train_spec.parallelize_fn(model, pd, cfg)  # as the Trainer: TP with loss_parallel on the output layer
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)  # the same weights and tokens on every rank
+    with torch.no_grad():
+        model.init_weights()
+    loss_fn = train_spec.build_loss_fn(cfg)
+    batch = cfg.training.local_batch_size
+    tokens = torch.randint(0, model_args.vocab_size, (batch, cfg.training.seq_len + 1))
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]  # [B, T]
+    times = []
+    for _ in range(spec["steps"]):
+        start = time.perf_counter()
+        with torch.no_grad(), loss_parallel():
+            loss_fn(model(inputs), labels).item()
+        times.append(time.perf_counter() - start)
+    if dist.get_rank() == 0:
+        Path(spec["out"]).write_text(json.dumps(times))
+    dist.destroy_process_group()
+
+
+def run(args) -> tuple[list[dict], dict]:
+    """Every round of every variant; returns the CSV rows and each variant's per-round medians."""
+    rounds: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    with tempfile.TemporaryDirectory(prefix="step_time_") as tmp:
+        tmp = Path(tmp)
+        write_data(tmp, args.seq_len)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1",
+               "HF_DATASETS_CACHE": str(tmp / "hf_cache"), "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
+        for r in range(args.repeats):
+            for variant in VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]:  # rotated order
+                start = time.perf_counter()
+                result = run_variant(args, variant, tmp, tmp / f"{variant}_{r}", env)
+                rounds[variant].append(result)
+                print(f"round {r} {variant}: median step {statistics.median(result['times']):.3f} s over "
+                      f"{len(result['times'])} steps, job {time.perf_counter() - start:.0f} s", flush=True)
+    medians = {v: [statistics.median(x["times"]) for x in rounds[v]] for v in VARIANTS}
+    ratios = {v: [m / ce for m, ce in zip(medians[v], medians["ce"])] for v in VARIANTS}
+    forward = statistics.median(ratios["forward"])
+    targets = {"ce": None, "grpo_beta0": 1.05, "grpo_beta": 1 + forward + 0.05, "forward": None}
+    rows = []
+    for v in VARIANTS:
+        ratio, ref = statistics.median(ratios[v]), [t for x in rounds[v] for t in x["ref"]]
+        rows.append(dict(
+            variant=v, flavor=args.flavor, batch=args.batch, seq_len=args.seq_len, tp=args.tp,
+            beta=args.beta if v == "grpo_beta" else (0.0 if v == "grpo_beta0" else ""), repeats=args.repeats,
+            steps_timed=sum(len(x["times"]) for x in rounds[v]),
+            median_step_s=round(statistics.median(t for x in rounds[v] for t in x["times"]), 4),
+            ratio_to_ce=round(ratio, 3), ratio_min=round(min(ratios[v]), 3), ratio_max=round(max(ratios[v]), 3),
+            round_medians_s=" ".join(f"{m:.4f}" for m in medians[v]),
+            ref_pass_s=round(statistics.median(ref), 4) if ref else "",
+            target_ratio=round(targets[v], 3) if targets[v] else "",
+            meets_target=(ratio <= targets[v]) if targets[v] else "",
+        ))
+    return rows, medians
+
+
+def plot(rows: list[dict], medians: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    names = [r["variant"] for r in rows]
+    ax.bar(names, [r["median_step_s"] for r in rows], color=["C0", "C1", "C2", "C7"], alpha=0.8)
+    for i, v in enumerate(names):  # each round's median: the spread the shared machine adds
+        ax.plot([i] * len(medians[v]), medians[v], "k.", alpha=0.6)
+        ax.annotate(f"{rows[i]['ratio_to_ce']}x CE", (i, rows[i]["median_step_s"]), textcoords="offset points",
+                    xytext=(0, 4), ha="center", fontsize=8)
+    ce = rows[0]["median_step_s"]
+    for r in rows:
+        if r["target_ratio"]:
+            ax.axhline(ce * r["target_ratio"], ls="--", lw=0.8, color="C1" if r["variant"] == "grpo_beta0" else "C2",
+                       label=f"{r['variant']} target: {r['target_ratio']}x CE")
+    ax.set_ylabel("median step time (s)")
+    r = rows[0]
+    ax.set_title(f"llama3 {r['flavor']}, batch {r['batch']} x seq {r['seq_len']}, TP={r['tp']} on CPU, "
+                 f"{r['repeats']} interleaved rounds", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left")
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        forward_worker(json.loads(args.worker))
+        return
+    rows, medians = run(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "step_time.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    plot(rows, medians, out / "step_time.png")
+    print("| variant | median step s | ratio to CE (min-max over rounds) | target | met | reference pass s |\n"
+          "|---|---:|---:|---:|---|---:|")
+    for r in rows:
+        print(f"| {r['variant']} | {r['median_step_s']} | {r['ratio_to_ce']} ({r['ratio_min']}-{r['ratio_max']}) | "
+              f"{r['target_ratio'] or '-'} | {r['meets_target'] if r['meets_target'] != '' else '-'} | "
+              f"{r['ref_pass_s'] or '-'} |")
+
+
+if __name__ == "__main__":
+    main()
