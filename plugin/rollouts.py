@@ -28,7 +28,6 @@ import numpy as np
 
 from torchtitan.tools.logging import logger
 
-FORMATS = ("jsonl", "parquet")
 SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
 FIELDS = ("prompt", "prompt_ids", "completion", "completion_ids", "reward", "group",
           "completions", "completions_ids", "rewards", "logprobs", "ref_logprobs")
@@ -54,11 +53,17 @@ class Completion:
     ref_logprobs: list[float] | None = None  # the reference model's, NaN where unknown
 
 
-def _number(value, name: str) -> float:
+def _field(value, name: str, types: tuple, what: str):
+    """`value` if it is there and its type is exactly one of `types` (a bool is not an int here)."""
     if value is None:
         raise _Bad(f"missing field '{name}'")
-    if type(value) not in (int, float):  # bool is not a number here
-        raise _Bad(f"field '{name}' has type {type(value).__name__}, not a number")
+    if type(value) not in types:
+        raise _Bad(f"field '{name}' has type {type(value).__name__}, not {what}")
+    return value
+
+
+def _number(value, name: str) -> float:
+    _field(value, name, (int, float), "a number")
     try:
         number = float(value)
     except OverflowError:  # an int too large for a float
@@ -69,11 +74,7 @@ def _number(value, name: str) -> float:
 
 
 def _list(value, name: str) -> list:
-    if value is None:
-        raise _Bad(f"missing field '{name}'")
-    if type(value) is not list:
-        raise _Bad(f"field '{name}' has type {type(value).__name__}, not a list")
-    return value
+    return _field(value, name, (list,), "a list")
 
 
 def _one_of(row: dict, text_name: str, ids_name: str) -> tuple[object, str, bool]:
@@ -107,11 +108,7 @@ def _logprobs(value, name: str, given: int, total: int) -> list[float]:
 
 def _group_key(row: dict) -> int:
     """A flat row's `group` as a 64-bit hash: an int and its decimal string stay different groups."""
-    value = row.get("group")
-    if value is None:
-        raise _Bad("missing field 'group'")
-    if type(value) not in (int, str):
-        raise _Bad(f"field 'group' has type {type(value).__name__}, not str or int")
+    value = _field(row.get("group"), "group", (int, str), "str or int")
     data = (b"i:" if type(value) is int else b"s:") + str(value).encode("utf-8", "surrogatepass")
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
@@ -152,8 +149,7 @@ class Encoder:
         value, name, is_ids = _one_of(row, "prompt", "prompt_ids")
         if is_ids:
             return self._ids(value, name)
-        if type(value) is not str:
-            raise _Bad(f"field 'prompt' has type {type(value).__name__}, not str")
+        value = _field(value, name, (str,), "str")
         if value == self._last_prompt[0]:  # the rows of a group repeat their prompt
             return self._last_prompt[1]
         ids = self._text_ids(self.chat_template.format(prompt=value) if self.chat_template else value)
@@ -163,33 +159,33 @@ class Encoder:
         self._last_prompt = (value, ids)
         return ids
 
-    def completion(self, prompt: list[int], value, name: str, is_ids: bool, reward: float, logprobs,
-                   logprobs_name: str, ref_logprobs=None, ref_logprobs_name: str = "ref_logprobs") -> Completion:
-        """Token ids as given, or text tokenized with EOS appended."""
+    def completion(self, prompt: list[int], value, name: str, is_ids: bool, reward: float, logprobs, ref_logprobs,
+                   at: str = "") -> Completion:
+        """Token ids as given, or text tokenized with EOS appended; `at` is "[k]" for a grouped row's k-th."""
+        name += at
         if is_ids:
             ids = self._ids(value, name)
-            given = len(ids)
         else:
-            if type(value) is not str:
+            if type(value) is not str:  # not _field: a null in a grouped row's list is no missing field
                 raise _Bad(f"field '{name}' has type {type(value).__name__}, not str")
             if not value:
                 raise _Bad(f"field '{name}' is empty")
             ids = self._text_ids(value)
             self._check_vocab(ids, name)
-            given = len(ids)
-            if self.eos_id is not None:
-                ids.append(self.eos_id)
+        given = len(ids)
+        if not is_ids and self.eos_id is not None:
+            ids.append(self.eos_id)
         if len(prompt) + len(ids) - 1 > self.seq_len:  # the input drops the last token
             raise _Bad(f"field '{name}': prompt + completion is {len(prompt) + len(ids)} tokens, "
                        f"more than [training] seq_len + 1 = {self.seq_len + 1}")
-        behaviour = None if logprobs is None else _logprobs(logprobs, logprobs_name, given, len(ids))
-        ref = None if ref_logprobs is None else _logprobs(ref_logprobs, ref_logprobs_name, given, len(ids))
+        behaviour = None if logprobs is None else _logprobs(logprobs, f"logprobs{at}", given, len(ids))
+        ref = None if ref_logprobs is None else _logprobs(ref_logprobs, f"ref_logprobs{at}", given, len(ids))
         return Completion(prompt + ids, len(prompt), reward, behaviour, ref)
 
     def flat(self, row: dict) -> Completion:
         reward = _number(row.get("reward"), "reward")
         value, name, is_ids = _one_of(row, "completion", "completion_ids")
-        return self.completion(self.prompt(row), value, name, is_ids, reward, row.get("logprobs"), "logprobs",
+        return self.completion(self.prompt(row), value, name, is_ids, reward, row.get("logprobs"),
                                row.get("ref_logprobs"))
 
     def grouped(self, row: dict) -> list[Completion]:
@@ -208,11 +204,8 @@ class Encoder:
             per_completion[field] = lists or [None] * len(items)
         logprobs, ref_logprobs = per_completion["logprobs"], per_completion["ref_logprobs"]
         prompt = self.prompt(row)
-        return [
-            self.completion(prompt, item, f"{name}[{k}]", is_ids, rewards[k], logprobs[k], f"logprobs[{k}]",
-                            ref_logprobs[k], f"ref_logprobs[{k}]")
-            for k, item in enumerate(items)
-        ]
+        return [self.completion(prompt, item, name, is_ids, rewards[k], logprobs[k], ref_logprobs[k], f"[{k}]")
+                for k, item in enumerate(items)]
 
 
 def _parse_json(raw: bytes) -> dict | _Bad:
@@ -309,7 +302,7 @@ def rollout_format(path: str, fmt: str = "auto") -> str:
     suffix = os.path.splitext(path)[1].lower()
     if suffix not in SUFFIXES:
         raise ValueError(f"[training] dataset_path = {path!r}: the suffix {suffix!r} names no rollout format "
-                         f"({', '.join(SUFFIXES)}); set [rollout_data] format to one of {list(FORMATS)}")
+                         f"({', '.join(SUFFIXES)}); set [rollout_data] format to one of {sorted(set(SUFFIXES.values()))}")
     return SUFFIXES[suffix]
 
 
@@ -382,12 +375,9 @@ class _Columns:
         self.slot, self.reward, self.length, self.ok = array("i"), array("f"), array("i"), array("b")
 
     def add(self, offset: int, key: int, slot: int, reward: float, length: int, ok: bool) -> None:
-        self.offset.append(offset)
-        self.key.append(key)
-        self.slot.append(slot)
-        self.reward.append(reward)
-        self.length.append(length)
-        self.ok.append(ok)
+        for column, value in zip((self.offset, self.key, self.slot, self.reward, self.length, self.ok),
+                                 (offset, key, slot, reward, length, ok)):
+            column.append(value)
 
     def numpy(self, name: str, dtype) -> np.ndarray:
         return np.frombuffer(getattr(self, name), dtype=dtype) if len(self.ok) else np.zeros(0, dtype)
@@ -476,9 +466,8 @@ def index_rollouts(path: str, encoder: Encoder, *, fmt: str = "auto", group_size
     else:
         by_group = np.argsort(gid, kind="stable")  # a stable sort keeps each group's file order
         sel = by_group[keep[gid[by_group]]]
-    kept = int(sizes[keep].sum())
     skipped_groups = int((~keep).sum())
-    skipped_rows = orphans + (skipped_groups if grouped else len(keys) - kept)
+    skipped_rows = orphans + (skipped_groups if grouped else len(keys) - int(sizes[keep].sum()))
     if skipped_rows:
         logger.warning(
             f"{path}: skipped {skipped_rows} of {rows} rows ({skipped_groups} groups) as [rollout_data] "
