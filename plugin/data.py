@@ -154,13 +154,11 @@ class GroupStream:
 
 
 class RolloutDataset(IterableDataset, Stateful):
-    """Yields this rank's microbatches, cut from global batches of whole groups.
+    """Yields this rank's microbatches, cut from global batches of whole groups (GroupStream).
 
-    The group stream is one seeded permutation of all groups per epoch, concatenated over
-    epochs: global batch s is the stream's groups [s*K, (s+1)*K), K = groups per step. Every
-    rank computes the same stream, so a global batch's statistics (completion tokens, reward
-    std) come from the index on every rank without communication, and no group is dropped or
-    repeated within an epoch whatever the DP degree. A rank reads only its own microbatch's rows.
+    Every rank computes the same stream, so a global batch's statistics (completion tokens,
+    reward std) come from the index on every rank without communication. A rank reads only its
+    own microbatch's rows.
     """
 
     def __init__(self, index: RolloutIndex, plan: BatchPlan, collate: "Collate", seed: int):
@@ -227,10 +225,8 @@ class Collate:
                 old_logprobs[i, c.prompt_len - 1 : len(seq) - 1] = torch.tensor(c.logprobs)
             if ref_logprobs is not None:
                 ref_logprobs[i, c.prompt_len - 1 : len(seq) - 1] = torch.tensor(c.ref_logprobs)
-        if self.sampled:
-            rollouts = Rollouts(adv[rows], rewards[rows], weights[rows], sampler_logprobs=old_logprobs)
-        else:
-            rollouts = Rollouts(adv[rows], rewards[rows], weights[rows], old_logprobs, ref_logprobs=ref_logprobs)
+        old, sampler = (None, old_logprobs) if self.sampled else (old_logprobs, None)
+        rollouts = Rollouts(adv[rows], rewards[rows], weights[rows], old, sampler, ref_logprobs=ref_logprobs)
         return {"input": inputs, "labels": labels, "rollouts": rollouts}, labels
 
 
@@ -246,7 +242,7 @@ def build_rollout_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_co
     """torchtitan's dataloader builder: the rollout file, or in online mode the prompt file, of [training] dataset_path."""
     # the first of the GRPO TrainSpec's builders that torchtitan's Trainer calls
     validate_job(job_config)
-    training, grpo, cfg = job_config.training, job_config.grpo, job_config.rollout_data
+    training, cfg = job_config.training, job_config.rollout_data
     online = job_config.online.enable
     if not training.dataset_path:
         what = "a prompt file" if online else "a rollout file"
