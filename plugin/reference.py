@@ -111,21 +111,19 @@ class Reference:
         return logprobs
 
     def load_once(self, policy: nn.Module, device: torch.device) -> None:
-        """The start-up weights at the first forward, also one whose reference log-probs came with the
-        rollouts: a later pass, a sync or a checkpoint must see the policy's initial weights."""
-        if not self.loaded:
-            with self.on_device(device):
-                self.load(policy)
-
-    def load(self, policy: nn.Module) -> None:
-        """The start-up weights: [reference_model] checkpoint_path, else the policy's."""
-        if self.checkpoint_path:
-            load_reference_checkpoint(self.module, self.checkpoint_path, self.checkpoint_format, self.sd_adapter)
-            logger.info(f"Reference model loaded from [reference_model] checkpoint_path = {self.checkpoint_path} "
-                        f"({self.checkpoint_format})")
-        else:
-            self.sync(policy)
-            logger.info("Reference model set to the policy's current weights")
+        """The start-up weights ([reference_model] checkpoint_path, else the policy's) at the first forward, also
+        one whose reference log-probs came with the rollouts: a later pass, a sync or a checkpoint must see the
+        policy's initial weights."""
+        if self.loaded:
+            return
+        with self.on_device(device):
+            if self.checkpoint_path:
+                load_reference_checkpoint(self.module, self.checkpoint_path, self.checkpoint_format, self.sd_adapter)
+                logger.info(f"Reference model loaded from [reference_model] checkpoint_path = "
+                            f"{self.checkpoint_path} ({self.checkpoint_format})")
+            else:
+                self.sync(policy)
+                logger.info("Reference model set to the policy's current weights")
         self.loaded = True
 
     @torch.no_grad()
