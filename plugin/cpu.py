@@ -81,9 +81,11 @@ class _CPUDeviceModule:
         return SimpleNamespace(name=_cpu_name(), total_memory=total)
 
     def memory_stats(self, device=None) -> dict[str, int]:
-        # The host has no caching allocator: active and reserved are both the RSS.
+        # The host has no caching allocator: allocated, active and reserved are all the RSS.
         peak, current = peak_rss_bytes(), current_rss_bytes()
         return {
+            "allocated_bytes.all.peak": peak,
+            "allocated_bytes.all.current": current,
             "active_bytes.all.peak": peak,
             "reserved_bytes.all.peak": peak,
             "active_bytes.all.current": current,
@@ -94,12 +96,6 @@ class _CPUDeviceModule:
 
     def reset_peak_memory_stats(self, device=None) -> None:
         reset_peak_rss()
-
-    def memory_allocated(self, device=None) -> int:
-        return current_rss_bytes()
-
-    def max_memory_allocated(self, device=None) -> int:
-        return peak_rss_bytes()
 
     def empty_cache(self) -> None:
         pass

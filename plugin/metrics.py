@@ -96,7 +96,7 @@ class GRPOStats:
         peaks = stats.get("active_bytes.all.peak", 0), stats.get("reserved_bytes.all.peak", 0)
         self.device_peaks = tuple(map(max, self.device_peaks, peaks))
         mem.reset_peak_memory_stats(device)
-        start_mem = mem.memory_allocated(device)
+        start_mem = stats.get("allocated_bytes.all.current", 0)  # the reset leaves it as it is
         if device.type == "cuda":
             # events time the pass on the stream without synchronizing; reduce() reads them
             events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -110,7 +110,7 @@ class GRPOStats:
             self.sums["ref_time"] += time.perf_counter() - start
         self.sums["ref_passes"] += 1
         # the allocator's peak is a host-side counter: reading it does not synchronize
-        peak = mem.max_memory_allocated(device)
+        peak = mem.memory_stats(device).get("allocated_bytes.all.peak", 0)
         self.peaks["ref_peak_mem"] = max(self.peaks["ref_peak_mem"], peak / _GIB)
         self.peaks["ref_peak_growth"] = max(self.peaks["ref_peak_growth"], (peak - start_mem) / _GIB)
 
