@@ -70,20 +70,7 @@ def score(fns: list[RewardFn], prompts: list[str], completions: list[str], compl
             got = f"{len(values)} rewards" if isinstance(values, (list, tuple)) else f"a {type(values).__name__}"
             raise RewardError(f"{f.key} returned {got} for {n} completions (prompts at {_span(where)}); "
                               "it must return one reward per completion")
-        out = []
-        for i, v in enumerate(values):
-            if v is None:
-                out.append(math.nan)
-                continue
-            if isinstance(v, bool) or not isinstance(v, (int, float)) and not hasattr(v, "__float__"):
-                raise RewardError(f"{f.key} returned {v!r} for completion {i} of the prompt at {where[i]}; "
-                                  "a reward is a number (or None where the function does not apply)")
-            v = float(v)
-            if not math.isfinite(v):
-                raise RewardError(f"{f.key} returned {v} for completion {i} of the prompt at {where[i]}; "
-                                  "a reward must be finite")
-            out.append(v)
-        per_fn.append(out)
+        per_fn.append([math.nan if v is None else _reward(f, v, i, where[i]) for i, v in enumerate(values)])
     totals = []
     for i in range(n):
         applied = [(f.weight, r[i]) for f, r in zip(fns, per_fn) if not math.isnan(r[i])]
@@ -91,6 +78,16 @@ def score(fns: list[RewardFn], prompts: list[str], completions: list[str], compl
             raise RewardError(f"every reward function returned None for completion {i} of the prompt at {where[i]}")
         totals.append(sum(w * r for w, r in applied))
     return totals, per_fn
+
+
+def _reward(f: RewardFn, v, i: int, where: str) -> float:
+    """Completion i's reward from `f` as a float; anything but a finite number raises."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) and not hasattr(v, "__float__"):
+        raise RewardError(f"{f.key} returned {v!r} for completion {i} of the prompt at {where}; "
+                          "a reward is a number (or None where the function does not apply)")
+    if not math.isfinite(v := float(v)):
+        raise RewardError(f"{f.key} returned {v} for completion {i} of the prompt at {where}; a reward must be finite")
+    return v
 
 
 def _first_failing_row(f: RewardFn, prompts, completions, completion_ids, columns) -> int | None:
