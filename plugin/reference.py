@@ -91,14 +91,13 @@ class Reference:
         `nn.Module.to` works for plain, TP (DTensor) and FSDP2-sharded parameters: it swaps
         DTensor parameters in place, and FSDP2 re-registers its shards after the move.
         """
-        if not self.offload:
-            yield
-            return
-        self.module.to(device)
+        if self.offload:
+            self.module.to(device)
         try:
             yield
         finally:
-            self.module.to("cpu")
+            if self.offload:
+                self.module.to("cpu")
 
     @torch.no_grad()
     def logprobs(self, policy: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, stats, **kwargs) -> torch.Tensor:
