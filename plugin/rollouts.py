@@ -28,6 +28,7 @@ import numpy as np
 
 from torchtitan.tools.logging import logger
 
+FORMATS = ("jsonl", "parquet")
 SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
 FIELDS = ("prompt", "prompt_ids", "completion", "completion_ids", "reward", "group",
           "completions", "completions_ids", "rewards", "logprobs", "ref_logprobs")
@@ -256,10 +257,8 @@ class _JsonlFile:
 
 class _ParquetFile:
     def __init__(self, path: str):
-        import pyarrow.parquet as pq
-
         self.path = path
-        meta = pq.ParquetFile(path).metadata
+        meta = self._open().metadata
         names = meta.schema.to_arrow_schema().names
         self.columns = [c for c in names if c in FIELDS]  # other columns are never decoded
         self.grouped = any(c in names for c in GROUPED_FIELDS)
@@ -302,7 +301,7 @@ def rollout_format(path: str, fmt: str = "auto") -> str:
     suffix = os.path.splitext(path)[1].lower()
     if suffix not in SUFFIXES:
         raise ValueError(f"[training] dataset_path = {path!r}: the suffix {suffix!r} names no rollout format "
-                         f"({', '.join(SUFFIXES)}); set [rollout_data] format to one of {sorted(set(SUFFIXES.values()))}")
+                         f"({', '.join(SUFFIXES)}); set [rollout_data] format to one of {list(FORMATS)}")
     return SUFFIXES[suffix]
 
 
