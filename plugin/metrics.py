@@ -20,11 +20,6 @@ _HOST_KEYS = ("seqs", "ref_passes", "ref_time")
 _MAX_KEYS = ("ref_peak_mem", "ref_peak_growth")
 
 
-def _memory(device: torch.device):
-    """torch.cuda's memory queries, or on the CPU plugin.cpu's answers to them (the process's RSS)."""
-    return torch.cuda if device.type == "cuda" else cpu.device_module
-
-
 def _grpo_stats(processor: MetricsProcessor) -> "GRPOStats | None":
     # the trainer sets the processor's model_parts after building it
     parts = processor.model_parts
@@ -89,7 +84,8 @@ class GRPOStats:
     @contextmanager
     def reference_pass(self, device: torch.device):
         """Time the reference scoring pass and record its peak memory (absolute and growth)."""
-        mem = _memory(device)
+        # torch.cuda's memory queries, or on the CPU plugin.cpu's answers to them (the process's RSS)
+        mem = torch.cuda if device.type == "cuda" else cpu.device_module
         # the reset below would hide the step's peak so far from torchtitan's memory/max_* tags:
         # keep the (active, reserved) peaks its memory monitor reads
         stats = mem.memory_stats(device)
