@@ -400,6 +400,13 @@ def index_rollouts(path: str, encoder: Encoder, *, fmt: str = "auto", group_size
                        "every batch that touches it; write the file with smaller row groups (README)")
     cols, problems, rows, orphans = _Columns(), [], 0, 0
     grouped = source.grouped
+
+    def report(error: str) -> None:  # the first problem raises, or the first few are quoted in the log
+        if on_error == "raise":
+            raise RolloutError(error) from None
+        if len(problems) < MAX_QUOTED:
+            problems.append(error)
+
     for line, offset, row in source.scan():
         rows += 1
         key = None
@@ -412,11 +419,7 @@ def index_rollouts(path: str, encoder: Encoder, *, fmt: str = "auto", group_size
             key = rows if grouped else _group_key(row)
             completions = encoder.grouped(row) if grouped else [encoder.flat(row)]
         except _Bad as e:
-            error = f"{source.where(line)}: {e}"
-            if on_error == "raise":
-                raise RolloutError(error) from None
-            if len(problems) < MAX_QUOTED:
-                problems.append(error)
+            report(f"{source.where(line)}: {e}")
             if key is None:
                 orphans += 1  # no group to spoil
             else:
@@ -447,13 +450,8 @@ def index_rollouts(path: str, encoder: Encoder, *, fmt: str = "auto", group_size
     sized = ~spoiled & (sizes >= 2)
     expected = group_size or (int(np.bincount(sizes[sized]).argmax()) if sized.any() else 0)
     offsets = cols.numpy("offset", np.int64)
-    for g in np.flatnonzero(~spoiled & (sizes != expected)):
-        if len(problems) >= MAX_QUOTED:
-            break
-        error = _size_problem(source, grouped, int(offsets[first[g]]), int(sizes[g]), expected, group_size)
-        if on_error == "raise":
-            raise RolloutError(error)
-        problems.append(error)
+    for g in np.flatnonzero(~spoiled & (sizes != expected))[: MAX_QUOTED - len(problems)]:
+        report(_size_problem(source, grouped, int(offsets[first[g]]), int(sizes[g]), expected, group_size))
     keep = ~spoiled & (sizes == expected)
     if not keep.any():
         raise RolloutError(f"{path}: no valid groups of {expected or 'at least 2'} completions"
