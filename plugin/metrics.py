@@ -54,8 +54,7 @@ class GRPOStats:
         """Add one microbatch's sums without a host sync: .item() would wait for the device every microbatch."""
         total = partial(torch.sum, dtype=torch.float64)
         rewards, adv = pred.rewards.double(), pred.advantages.double()
-        zero = torch.zeros((), dtype=torch.float64, device=mask.device)
-        mismatch = mismatch_out = mismatch_tokens = zero
+        mismatch = mismatch_out = mismatch_tokens = torch.zeros((), dtype=torch.float64, device=mask.device)
         if getattr(pred, "sampler_logprobs", None) is not None:
             # the sampler's log-probs against this pass's, on the completion tokens the sampler scored
             sampled = mask & ~pred.sampler_logprobs.isnan()
