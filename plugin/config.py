@@ -75,7 +75,7 @@ class GRPO:
     """Deprecated (memory grows with the batch size): sequence positions of each sequence per chunk; > 0 overrides logprob_chunk_tokens / _mib."""
 
     fused_policy_pass: bool = False
-    """Compute each chunk's loss gradients (hidden states, head weights) inside the policy's forward, so nothing is recomputed in backward; not with data parallelism yet."""
+    """Compute each chunk's loss gradients (hidden states, head weights) inside the policy's forward, so nothing is recomputed in backward."""
 
     on_nonfinite: Literal["raise", "skip"] = "raise"
     """A NaN/inf advantage, log-prob, loss or gradient stops the run at that step (raise) or drops the step's update (skip)."""

@@ -258,8 +258,9 @@ def fused_chunked_loss(
                 # under loss_parallel (train_context) this backward is one too
                 g_h, *g_params = torch.autograd.grad(loss_c, [h_c, *params])
             grad_hidden[:, start : start + k] = g_h
-            # out of place: a DTensor gradient may come Partial (a replicated norm weight's under TP)
-            grads = [g if acc is None else acc + g for acc, g in zip(grads, g_params)]
+            # out of place: a DTensor gradient may come Partial (a replicated norm weight's under TP);
+            # fp32, as FSDP accumulates a bf16 parameter's gradient between reduce-scatters
+            grads = [g.float() if acc is None else acc + g for acc, g in zip(grads, g_params)]
             loss += loss_c.detach()
             logprobs[index], entropy[index] = lp.detach().view(-1), ent.detach().view(-1)
         return loss, grad_hidden.view_as(hidden), grads, logprobs.view(B, T), entropy.view(B, T)

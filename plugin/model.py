@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.config import TORCH_DTYPE_MAP
@@ -133,11 +134,12 @@ class GRPOModel:
                                     r.advantages[row], r.loss_weights[row], mask[index][:, None], entropy[:, None])
             return terms.loss.sum()
 
-        params = list({id(p): p for p in [*self.norm.parameters(), *self.output.parameters()] if p.requires_grad}.values())
         head = lambda h: self.output(self.norm(h))  # noqa: E731
-        return fused_chunked_loss(hidden, labels, head, params, token_loss, temperature=cfg.temperature,
-                                  chunk_size=cfg.chunk_size, chunk_tokens=cfg.chunk_tokens, seq_shards=cfg.seq_shards,
-                                  compiled=cfg.compile, backend=cfg.compile_backend, entropy_grad=cfg.entropy_grad)
+        with head_for_fused_pass(self) as params:
+            return fused_chunked_loss(hidden, labels, head, params, token_loss, temperature=cfg.temperature,
+                                      chunk_size=cfg.chunk_size, chunk_tokens=cfg.chunk_tokens,
+                                      seq_shards=cfg.seq_shards, compiled=cfg.compile, backend=cfg.compile_backend,
+                                      entropy_grad=cfg.entropy_grad)
 
     def to_empty(self, *, device, recurse: bool = True):
         super().to_empty(device=device, recurse=recurse)
@@ -239,17 +241,35 @@ def head_comms_once(model: nn.Module, chunked: bool):
             group.reshard()
 
 
+@contextmanager
+def head_for_fused_pass(model: nn.Module):
+    """The head's parameters for [grpo] fused_policy_pass, which runs the head's backward inside forward.
+
+    Under FSDP they are the unsharded parameters, all-gathered once. FSDP would take the pass's
+    backward for the step's (prefetches, a final callback that ends the iteration mid-forward),
+    so its hooks stay quiet as they do while it recomputes a group for activation checkpointing.
+    The fused pass's backward hands the gradients to the unsharded parameters, and the root's
+    post-backward callback reduce-scatters them, as for a group no autograd node led back to.
+    """
+    group = model.output if isinstance(model.output, FSDPModule) else None
+    if group is not None:
+        group.unshard()
+        state = group._get_fsdp_state()
+        training_state, state._training_state = state._training_state, TrainingState.PRE_BACKWARD
+    try:
+        yield list({id(p): p for p in [*model.norm.parameters(), *model.output.parameters()] if p.requires_grad}.values())
+    finally:
+        if group is not None:
+            state._training_state = training_state
+            if not ties_weights(model):
+                # the gradients are computed: backward needs no head (the tied embedding's group is FSDP's to reshard)
+                group.reshard()
+
+
 def build_grpo_parallelize_fn(base_parallelize: Callable) -> Callable:
     """Wrap torchtitan's parallelize function: parallelize the policy and its reference alike."""
 
     def parallelize_grpo(model: nn.Module, parallel_dims, job_config) -> nn.Module:
-        if job_config.grpo.fused_policy_pass and (parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled):
-            # FSDP2 reduce-scatters the head's gradient in its post-backward hook, which a gradient
-            # computed in forward bypasses
-            raise ValueError(
-                "[grpo] fused_policy_pass = true is not supported with data parallelism yet "
-                "([parallelism] data_parallel_shard_degree / data_parallel_replicate_degree > 1): set it to false"
-            )
         if parallel_dims.tp_enabled and (job_config.compile.enable or job_config.reference_model.compile):
             isolate_compile_cache(torch.distributed.get_rank())
 

@@ -4,16 +4,17 @@
    parameter's gradient with today's path (log-probs to the loss, chunks recomputed in backward).
 2. The TP=2 check runs fused_chunked_loss on a vocab-parallel head (uneven vocab, 1271 over 2
    ranks) inside loss_parallel, against an fp64 reference of the same per-token loss.
-3. FSDP is rejected at start-up (the head's gradient would bypass FSDP's reduce-scatter).
+3. FSDP=2 (model level, 2 gloo ranks): every aggregation mode with gradient accumulation, tied
+   weights, the head resharded after forward, and bf16 parameters, against today's path.
 """
 
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from conftest import build_model, parse_config, run_ranks
+from conftest import build_model, run_ranks
 from plugin.data import Rollouts, loss_weights
 from plugin.logprobs import chunked_logprobs, fused_chunked_loss
 from test_logprobs import (
@@ -50,11 +51,12 @@ def batch(seed: int, mode: str):
     return tokens, labels, rollouts
 
 
-def train(fused: bool, mode: str, *extra: str, microbatches: int = 1):
+def train(fused: bool, mode: str, *extra: str, microbatches: int = 1, parallel_dims=None, rank: int = 0):
     """Loss per microbatch and the accumulated gradients of every parameter, from one seed."""
     model, cfg, *_ = build_model("--parallelism.tensor_parallel_degree", "1", "--grpo.loss_aggregation", mode,
                                  "--grpo.entropy_coef", "0.01", "--grpo.logprob_chunk_tokens", "12",
-                                 "--grpo.dual_clip", "3", *(["--grpo.fused_policy_pass"] if fused else []), *extra)
+                                 "--grpo.dual_clip", "3", *(["--grpo.fused_policy_pass"] if fused else []), *extra,
+                                 parallel_dims=parallel_dims)
     from plugin.loss import build_grpo_loss
 
     loss_fn = build_grpo_loss(cfg)
@@ -62,26 +64,28 @@ def train(fused: bool, mode: str, *extra: str, microbatches: int = 1):
     with torch.no_grad():  # a reference away from the policy: KL and its gradient are not 0
         g = torch.Generator().manual_seed(1)
         for p in model.reference.module.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
+            noise = 0.05 * torch.randn(p.shape, generator=g)
+            p.add_(distribute_tensor(noise, p.device_mesh, p.placements) if isinstance(p, DTensor) else noise)
     losses = []
     for j in range(microbatches):
-        tokens, labels, rollouts = batch(j, mode)
+        tokens, labels, rollouts = batch(100 * rank + j, mode)  # data parallel ranks score different batches
         pred = model(tokens, labels=labels, rollouts=rollouts)
         assert (pred.fused_loss is not None) == fused
         loss = loss_fn(pred, labels)
         loss.backward()
         losses.append(loss.detach())
     stats = model.grpo_stats.device_sums.clone()
-    return losses, {n: p.grad.clone() for n, p in model.named_parameters()}, stats
+    full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t.clone()  # noqa: E731
+    return losses, {n: full(p.grad) for n, p in model.named_parameters()}, stats
 
 
-def assert_same(got, want):
+def assert_same(got, want, atol=ATOL):
     (losses, grads, stats), (want_losses, want_grads, want_stats) = got, want
     torch.testing.assert_close(torch.stack(losses), torch.stack(want_losses), rtol=RTOL, atol=ATOL)
     # the metrics (KL, ratio, clip fractions, entropy) are the same too
     torch.testing.assert_close(stats, want_stats, rtol=RTOL, atol=1e-6)
     for name, grad in want_grads.items():
-        torch.testing.assert_close(grads[name], grad, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grads[name], grad, rtol=RTOL, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "fixed_horizon"])
@@ -127,15 +131,47 @@ def test_fused_head_runs_once_per_chunk():
     assert not logprobs.requires_grad
 
 
-def test_fused_rejects_data_parallelism():
+FSDP_CASES = {  # every case accumulates two microbatches, with an entropy bonus
+    **{mode: (mode,) for mode in ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "fixed_horizon"]},
+    "tied": ("token_mean", "--model.name", "grpo_qwen3"),
+    "reshard_always": ("token_mean", "--parallelism.fsdp_reshard_after_forward", "always"),
+    "bf16": ("token_mean", "--training.mixed_precision_param", "bfloat16"),
+}
+
+
+def _fsdp_fused(rank, world_size, out):
+    """FSDP=2: the fused pass against today's path, each case from the same seed on both."""
     from torchtitan.distributed import ParallelDims
 
-    from plugin.model import build_grpo_parallelize_fn
-
-    cfg = parse_config("--grpo.fused_policy_pass")
+    torch.set_num_threads(1)
     pd = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=2)
-    with pytest.raises(ValueError, match=r"\[grpo\] fused_policy_pass = true is not supported with data parallelism"):
-        build_grpo_parallelize_fn(lambda *a: None)(None, pd, cfg)
+    fsdp = ("--parallelism.data_parallel_shard_degree", "2")
+    results = {name: [train(fused, *case, *fsdp, microbatches=2, parallel_dims=pd, rank=rank) for fused in (True, False)]
+               for name, case in FSDP_CASES.items()}
+    if rank == 0:
+        torch.save(results, out)
+
+
+@pytest.fixture(scope="module")
+def fsdp_fused(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp_fused") / "results.pt"
+    run_ranks(2, _fsdp_fused, str(out))
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("case", [c for c in FSDP_CASES if c != "bf16"])
+def test_fused_fsdp2(fsdp_fused, case):
+    """The head's gradient computed in forward is reduce-scattered like any other: same losses, gradients, metrics."""
+    assert_same(*fsdp_fused[case], atol=1e-6)  # sums over 2 ranks' batches of up to |loss| ~ 40
+
+
+def test_fused_fsdp2_bf16(fsdp_fused):
+    """bf16 parameters, fp32 reduce: the fused pass sums its chunks' head gradients in fp32 and rounds once."""
+    (losses, grads, _), (want_losses, want_grads, _) = fsdp_fused["bf16"]
+    torch.testing.assert_close(torch.stack(losses), torch.stack(want_losses), rtol=1e-2, atol=1e-3)
+    for name, grad in want_grads.items():
+        # bf16 compute both ways; the rounding of the chunk sums differs
+        assert (grads[name] - grad).norm() <= 2e-2 * grad.norm() + 1e-6, name
 
 
 def _fp64_token_loss(logprobs, entropy, w, u, mask):
@@ -214,13 +250,15 @@ def test_fused_values_match_chunked_logprobs():
     torch.testing.assert_close(entropy, want[1], rtol=1e-6, atol=1e-5)
 
 
-@pytest.mark.parametrize("nproc, extra", [(1, ["--parallelism.tensor_parallel_degree", "1"]),
-                                          (2, ["--parallelism.tensor_parallel_degree", "2"])], ids=["1rank", "tp2"])
-def test_fused_run_matches_todays_path(nproc, extra, seed_checkpoint, tmp_path_factory):
-    """torchtitan's own train.py, 2 steps with an entropy bonus and chunks: the same losses and grad norms."""
+@pytest.mark.parametrize("nproc, tp", [(1, 1), (2, 2), (2, 1), (4, 2)], ids=["1rank", "tp2", "fsdp2", "tp2_fsdp2"])
+def test_fused_run_matches_todays_path(nproc, tp, seed_checkpoint, tmp_path_factory):
+    """torchtitan's own train.py, 2 steps with an entropy bonus and chunks: the same losses and grad norms.
+
+    The ranks TP leaves over shard the model (FSDP): 2 ranks at TP=1, 4 at TP=2.
+    """
     from conftest import scalars, train
 
-    flags = [*extra, "--grpo.entropy_coef", "0.01", "--grpo.logprob_chunk_tokens", "64"]
+    flags = ["--parallelism.tensor_parallel_degree", str(tp), "--grpo.entropy_coef", "0.01", "--grpo.logprob_chunk_tokens", "64"]
     want = scalars(train(tmp_path_factory, seed_checkpoint, f"unfused_{nproc}", nproc, *flags, steps=2))
     got = scalars(train(tmp_path_factory, seed_checkpoint, f"fused_{nproc}", nproc, *flags,
                         "--grpo.fused_policy_pass", steps=2))
