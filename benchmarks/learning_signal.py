@@ -17,6 +17,10 @@ The online example is measured by exact match instead: `--accuracy CHECKPOINT...
 checkpoint, the share of right answers (plugin.example.reward) to data/compare_heldout.jsonl's
 prompts, greedy and sampled at temperature 1 (8 draws each), and the share of prompts whose draws
 mix right and wrong answers, as JSON. Sampling has no KV cache: about 40 s for 256 prompts on 2 cores.
+`--online` runs the online example itself: the warm-up (train_configs/online_warmup_cpu.toml), then
+train_configs/online_cpu.toml from its weights with a checkpoint every `--every` steps, and writes
+each checkpoint's accuracy and the train reward per step to benchmarks/results/online_learning.csv
+and .png.
 """
 
 import argparse
@@ -24,8 +28,10 @@ import csv
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -135,16 +141,83 @@ def heldout_accuracy(model: torch.nn.Module, path: Path = COMPARE_HELDOUT, sampl
             "samples": samples}
 
 
-def torchrun(nproc: int, *args: str) -> None:
+def torchrun(nproc: int, *args: str, config: str = CONFIG) -> float:
+    """Seconds from launch to exit of a torchtitan run of `config` with `args` as overrides."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
            "--rdzv_endpoint=localhost:0", "--local-ranks-filter=0", "-m", "torchtitan.train",
-           "--job.config_file", CONFIG, *args]
+           "--job.config_file", config, *args]
+    start = time.perf_counter()
     subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True)
+    return time.perf_counter() - start
+
+
+def train_rewards(dump: Path) -> dict[int, float]:
+    """step -> grpo/reward_mean, from a run's TensorBoard events."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = {}
+    for run_dir in sorted((dump / "tb").iterdir()):
+        acc = EventAccumulator(str(run_dir))
+        acc.Reload()
+        out.update({e.step: e.value for e in acc.Scalars("grpo/reward_mean")})
+    return out
+
+
+def online(out: Path, steps: int, every: int, results: Path) -> None:
+    """The online example from scratch: warm-up, online GRPO, held-out accuracy of every checkpoint."""
+    warm, run = out / "warmup", out / "online"
+    start = warm / "checkpoint" / "step-60"  # online_warmup_cpu.toml's steps
+    warm_s = 0.0 if start.exists() else torchrun(2, "--job.dump_folder", str(warm),
+                                                  config="train_configs/online_warmup_cpu.toml")
+    shutil.rmtree(run, ignore_errors=True)  # a checkpoint left there would be resumed from
+    online_s = torchrun(2, "--job.dump_folder", str(run), "--training.steps", str(steps),
+                        "--checkpoint.initial_load_path", str(start), "--checkpoint.interval", str(every),
+                        config="train_configs/online_cpu.toml")
+    checkpoints = {0: start, **{s: run / "checkpoint" / f"step-{s}" for s in range(every, steps + 1, every)}}
+    accuracy = {s: heldout_accuracy(load_policy(c, max_seq_len=32)) for s, c in checkpoints.items()}
+    rewards = train_rewards(run)
+
+    results.mkdir(parents=True, exist_ok=True)
+    with open(results / "online_learning.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["step", "train_reward_mean", "heldout_greedy", "heldout_sampled", "heldout_mixed"])
+        for s in sorted(set(rewards) | set(accuracy)):
+            a = accuracy.get(s, {})
+            writer.writerow([s, round(rewards[s], 4) if s in rewards else "",
+                             *(round(a[k], 4) if a else "" for k in ("greedy", "sampled", "mixed"))])
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = sorted(rewards)
+    smooth = np.convolve([rewards[s] for s in xs], np.ones(10) / 10, mode="valid")
+    ax.plot(xs, [rewards[s] for s in xs], color="lightgray", lw=0.8, label="train reward (4 prompts x 8)")
+    ax.plot(xs[9:], smooth, color="gray", label="train reward, mean of 10 steps")
+    steps_seen = sorted(accuracy)
+    for key, style in (("greedy", "o-"), ("sampled", "s-")):
+        ax.plot(steps_seen, [accuracy[s][key] for s in steps_seen], style, label=f"held-out exact match, {key}")
+    ax.set_xlabel(f"online GRPO step (step 0: the warm-up's weights); {online_s / 60:.1f} min on 2 CPU ranks")
+    ax.set_ylabel("share right")
+    ax.set_ylim(0, max(0.6, max(rewards.values()) + 0.05))
+    ax.set_title("Online GRPO on the compare task: 256 held-out prompts, greedy and temperature 1 (8 draws)",
+                 fontsize=8)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(results / "online_learning.png", dpi=110)
+    for s in steps_seen:
+        a = accuracy[s]
+        print(f"step {s:4d}: greedy {a['greedy']:.1%}, sampled {a['sampled']:.1%}, mixed groups {a['mixed']:.0%}")
+    first, last = accuracy[0], accuracy[steps_seen[-1]]
+    print(f"warm-up {warm_s:.0f} s (0: reused), online {steps} steps {online_s:.0f} s; held-out greedy "
+          f"{100 * (last['greedy'] - first['greedy']):+.1f} points, sampled {100 * (last['sampled'] - first['sampled']):+.1f}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, help="default: 40, the main job's; 100 with --online")
     parser.add_argument("--out-dir", default="/tmp/learning_signal")
     parser.add_argument("--score", nargs="+", metavar="CHECKPOINT",
                         help="only print each DCP checkpoint's held-out margins as JSON (tests/test_learning.py)")
@@ -153,7 +226,13 @@ def main() -> None:
     parser.add_argument("--prompts", default=str(COMPARE_HELDOUT), help="prompts file for --accuracy")
     parser.add_argument("--samples", type=int, default=8, help="draws per prompt at --temperature, for --accuracy")
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--online", action="store_true", help="the online example: warm-up, then --steps online steps")
+    parser.add_argument("--every", type=int, default=25, help="online: a checkpoint and its accuracy every N steps")
+    parser.add_argument("--results", default=str(RESULTS), help="where the CSV and PNG go")
     args = parser.parse_args()
+    if args.online:
+        online(Path(args.out_dir), args.steps or 100, args.every, Path(args.results))
+        return
     if args.score:
         print(json.dumps({c: heldout_margins(load_policy(Path(c))).tolist() for c in args.score}))
         return
@@ -161,6 +240,7 @@ def main() -> None:
         print(json.dumps({c: heldout_accuracy(load_policy(Path(c), max_seq_len=32), Path(args.prompts), args.samples,
                                               args.temperature) for c in args.accuracy}))
         return
+    args.steps = args.steps or 40
     out = Path(args.out_dir)
     seed, run = out / "seed", out / "run"
     if not (seed / "checkpoint" / "step-0").exists():
