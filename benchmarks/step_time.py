@@ -11,17 +11,20 @@ the model, batch and sequence length overridden):
 Simplifications:
 1. Step time is torchtitan's own `time_metrics/end_to_end(s)` (rank 0's wall seconds between two logged
    steps, log_freq 1: data loading, forward, backward, optimizer, metrics), read from TensorBoard.
-   The first --warmup steps of every job are dropped.
+   Beside it, rank 0's CPU seconds per step: the jobs' custom_import is this file, which imports
+   `plugin` and adds `step_time/cpu(s)` to every logged step. The first --warmup steps are dropped.
 2. Random weights, fp32, no compile. Every GRPO token is a completion token (32 random prompt ids,
    seq_len + 1 - 32 random completion ids, group size 4, random 0/1 rewards), so the GRPO loss
    covers as many positions as cross-entropy does; the CE text is the bundled arithmetic rollouts
    packed into seq_len windows, as torchtitan packs c4.
 3. On a shared CPU wall time follows the other jobs: the variants run interleaved, --repeats rounds,
    each round in a rotated order; a variant's ratio to CE is the median over rounds of
-   (its median step / CE's median step in the same round).
+   (its median step / CE's median step in the same round). CPU seconds move much less with the
+   other jobs (one OpenMP thread per rank, and gloo blocks rather than spins while it waits).
 
 Usage: python benchmarks/step_time.py [--flavor debugmodel] [--batch 8] [--seq-len 256] [--repeats 4]
-The defaults take about 10 minutes on 2 cores. --smoke runs a tiny shape once (about a minute).
+The defaults take about 14 minutes on 2 busy cores (16 jobs of 25-65 s). --smoke runs a tiny shape
+once (about 90 s).
 Writes <out>/step_time.csv and .png (default benchmarks/results/) and prints a table.
 """
 
@@ -41,11 +44,13 @@ from job_status import run_job
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = "train_configs/debug_cpu.toml"
 VARIANTS = ("ce", "grpo_beta0", "grpo_beta", "forward")
-TRAINING = VARIANTS[:3]
 GROUP_SIZE = 4
 PROMPT_LEN = 32
+CPU_TAG = "step_time/cpu(s)"
 COLUMNS = ("variant", "flavor", "batch", "seq_len", "tp", "beta", "repeats", "steps_timed", "median_step_s",
-           "ratio_to_ce", "ratio_min", "ratio_max", "round_medians_s", "ref_pass_s", "target_ratio", "meets_target")
+           "ratio_to_ce", "ratio_min", "ratio_max", "median_step_cpu_s", "ratio_to_ce_cpu", "ratio_min_cpu",
+           "ratio_max_cpu", "round_medians_s", "round_medians_cpu_s", "ref_pass_s", "target_ratio", "meets_target",
+           "target_ratio_cpu", "meets_target_cpu")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -82,7 +87,7 @@ def write_data(folder: Path, seq_len: int) -> None:
     with open(folder / "text" / "train.jsonl", "w") as f:
         for i in range(0, len(lines), 8):  # a document per two groups
             f.write(json.dumps({"text": " ".join(r["prompt"] + r["completion"] for r in lines[i : i + 8])}) + "\n")
-    rng, vocab = random.Random(0), 2048  # the llama3 flavors' ids of the bundled tokenizer
+    rng, vocab = random.Random(0), 2048  # the bundled tokenizer's ids: inside every llama3 flavor's vocabulary
     with open(folder / "rollouts.jsonl", "w") as f:
         for _ in range(64):
             row = {"prompt_ids": [rng.randrange(3, vocab) for _ in range(PROMPT_LEN)],
@@ -95,8 +100,8 @@ def write_data(folder: Path, seq_len: int) -> None:
 
 def overrides(args, variant: str, data: Path) -> list[str]:
     """torchtitan command-line overrides of the bundled config for one variant."""
-    common = ["--model.flavor", args.flavor, "--training.local_batch_size", str(args.batch),
-              "--training.seq_len", str(args.seq_len), "--training.steps", str(args.steps),
+    common = ["--experimental.custom_import", "step_time", "--model.flavor", args.flavor,
+              "--training.local_batch_size", str(args.batch), "--training.seq_len", str(args.seq_len), "--training.steps", str(args.steps),
               "--parallelism.tensor_parallel_degree", str(args.tp), "--metrics.log_freq", "1",
               "--metrics.enable_tensorboard"]
     if variant in ("ce", "forward"):
@@ -124,10 +129,10 @@ def run_variant(args, variant: str, data: Path, dump: Path, env: dict) -> dict:
         raise RuntimeError(f"{variant}: the job {'timed out' if code is None else f'exited {code}'}")
     if variant == "forward":
         times = json.loads((dump / "forward.json").read_text())
-        return {"times": times[args.warmup :], "ref": []}
+        return {"times": times["wall"][args.warmup :], "cpu": times["cpu"][args.warmup :], "ref": []}
     tags = scalars(dump)
-    step_times = tags["time_metrics/end_to_end(s)"]
-    return {"times": step_times[args.warmup :], "ref": tags.get("grpo/ref_time(s)", [])[args.warmup :]}
+    return {"times": tags["time_metrics/end_to_end(s)"][args.warmup :], "cpu": tags[CPU_TAG][args.warmup :],
+            "ref": tags.get("grpo/ref_time(s)", [])[args.warmup :]}
 
 
 def scalars(dump: Path) -> dict[str, list[float]]:
@@ -173,15 +178,33 @@ def forward_worker(spec: dict) -> None:
     batch = cfg.training.local_batch_size
     tokens = torch.randint(0, model_args.vocab_size, (batch, cfg.training.seq_len + 1))
     inputs, labels = tokens[:, :-1], tokens[:, 1:]  # [B, T]
-    times = []
+    times = {"wall": [], "cpu": []}
     for _ in range(spec["steps"]):
-        start = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.process_time()
         with torch.no_grad(), loss_parallel():
             loss_fn(model(inputs), labels).item()
-        times.append(time.perf_counter() - start)
+        times["wall"].append(time.perf_counter() - wall)
+        times["cpu"].append(time.process_time() - cpu)
     if dist.get_rank() == 0:
         Path(spec["out"]).write_text(json.dumps(times))
     dist.destroy_process_group()
+
+
+def install_step_clock() -> None:
+    """In a training job, as its custom_import: GRPO and the CPU patches, and rank 0's CPU seconds per logged step."""
+    import plugin  # noqa: F401  (what custom_import = "plugin" gives the bundled config)
+    from torchtitan.components.metrics import MetricsProcessor
+
+    log, last = MetricsProcessor.log, [time.process_time()]
+
+    def log_with_cpu_time(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+        now = time.process_time()
+        extra = {**(extra_metrics or {}), CPU_TAG: now - last[0]}
+        last[0] = now
+        return log(self, step, global_avg_loss, global_max_loss, grad_norm, extra)
+
+    # GRPOMetricsProcessor.log ends in super().log, so the GRPO jobs go through this too
+    MetricsProcessor.log = log_with_cpu_time
 
 
 def run(args) -> tuple[list[dict], dict]:
@@ -191,32 +214,38 @@ def run(args) -> tuple[list[dict], dict]:
         tmp = Path(tmp)
         write_data(tmp, args.seq_len)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1",
-               "HF_DATASETS_CACHE": str(tmp / "hf_cache"), "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
+               "HF_DATASETS_CACHE": str(tmp / "hf_cache"), "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO / "benchmarks"), str(REPO), os.environ.get("PYTHONPATH"))))}
         for r in range(args.repeats):
             for variant in VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]:  # rotated order
                 start = time.perf_counter()
                 result = run_variant(args, variant, tmp, tmp / f"{variant}_{r}", env)
                 rounds[variant].append(result)
-                print(f"round {r} {variant}: median step {statistics.median(result['times']):.3f} s over "
+                print(f"round {r} {variant}: median step {statistics.median(result['times']):.3f} s, "
+                      f"{statistics.median(result['cpu']):.3f} CPU s over "
                       f"{len(result['times'])} steps, job {time.perf_counter() - start:.0f} s", flush=True)
-    medians = {v: [statistics.median(x["times"]) for x in rounds[v]] for v in VARIANTS}
-    ratios = {v: [m / ce for m, ce in zip(medians[v], medians["ce"])] for v in VARIANTS}
-    forward = statistics.median(ratios["forward"])
-    targets = {"ce": None, "grpo_beta0": 1.05, "grpo_beta": 1 + forward + 0.05, "forward": None}
-    rows = []
-    for v in VARIANTS:
-        ratio, ref = statistics.median(ratios[v]), [t for x in rounds[v] for t in x["ref"]]
-        rows.append(dict(
-            variant=v, flavor=args.flavor, batch=args.batch, seq_len=args.seq_len, tp=args.tp,
-            beta=args.beta if v == "grpo_beta" else (0.0 if v == "grpo_beta0" else ""), repeats=args.repeats,
-            steps_timed=sum(len(x["times"]) for x in rounds[v]),
-            median_step_s=round(statistics.median(t for x in rounds[v] for t in x["times"]), 4),
-            ratio_to_ce=round(ratio, 3), ratio_min=round(min(ratios[v]), 3), ratio_max=round(max(ratios[v]), 3),
-            round_medians_s=" ".join(f"{m:.4f}" for m in medians[v]),
-            ref_pass_s=round(statistics.median(ref), 4) if ref else "",
-            target_ratio=round(targets[v], 3) if targets[v] else "",
-            meets_target=(ratio <= targets[v]) if targets[v] else "",
-        ))
+    rows = [dict(variant=v, flavor=args.flavor, batch=args.batch, seq_len=args.seq_len, tp=args.tp,
+                 beta=args.beta if v == "grpo_beta" else (0.0 if v == "grpo_beta0" else ""), repeats=args.repeats,
+                 steps_timed=sum(len(x["times"]) for x in rounds[v])) for v in VARIANTS]
+    medians = {}
+    for key, suffix in (("times", ""), ("cpu", "_cpu")):
+        medians[key] = {v: [statistics.median(x[key]) for x in rounds[v]] for v in VARIANTS}
+        ratios = {v: [m / ce for m, ce in zip(medians[key][v], medians[key]["ce"])] for v in VARIANTS}
+        # the targets: beta = 0 within 5% of CE; beta > 0 within one extra forward pass + 5%
+        forward = statistics.median(ratios["forward"])
+        targets = {"grpo_beta0": 1.05, "grpo_beta": 1 + forward + 0.05}
+        for row in rows:
+            v, ratio = row["variant"], statistics.median(ratios[row["variant"]])
+            row.update({
+                f"median_step{suffix}_s": round(statistics.median(t for x in rounds[v] for t in x[key]), 4),
+                f"ratio_to_ce{suffix}": round(ratio, 3), f"ratio_min{suffix}": round(min(ratios[v]), 3),
+                f"ratio_max{suffix}": round(max(ratios[v]), 3),
+                f"round_medians{suffix}_s": " ".join(f"{m:.4f}" for m in medians[key][v]),
+                f"target_ratio{suffix}": round(targets[v], 3) if v in targets else "",
+                f"meets_target{suffix}": ratio <= targets[v] if v in targets else "",
+            })
+    for row in rows:
+        ref = [t for x in rounds[row["variant"]] for t in x["ref"]]
+        row["ref_pass_s"] = round(statistics.median(ref), 4) if ref else ""
     return rows, medians
 
 
@@ -226,24 +255,26 @@ def plot(rows: list[dict], medians: dict, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
     names = [r["variant"] for r in rows]
-    ax.bar(names, [r["median_step_s"] for r in rows], color=["C0", "C1", "C2", "C7"], alpha=0.8)
-    for i, v in enumerate(names):  # each round's median: the spread the shared machine adds
-        ax.plot([i] * len(medians[v]), medians[v], "k.", alpha=0.6)
-        ax.annotate(f"{rows[i]['ratio_to_ce']}x CE", (i, rows[i]["median_step_s"]), textcoords="offset points",
-                    xytext=(0, 4), ha="center", fontsize=8)
-    ce = rows[0]["median_step_s"]
-    for r in rows:
-        if r["target_ratio"]:
-            ax.axhline(ce * r["target_ratio"], ls="--", lw=0.8, color="C1" if r["variant"] == "grpo_beta0" else "C2",
-                       label=f"{r['variant']} target: {r['target_ratio']}x CE")
-    ax.set_ylabel("median step time (s)")
+    for ax, key, suffix, what in zip(axes, ("times", "cpu"), ("", "_cpu"), ("wall", "rank 0 CPU")):
+        heights = [r[f"median_step{suffix}_s"] for r in rows]
+        ax.bar(names, heights, color=["C0", "C1", "C2", "C7"], alpha=0.8)
+        for i, (v, h) in enumerate(zip(names, heights)):  # each round's median: the spread the shared machine adds
+            ax.plot([i] * len(medians[key][v]), medians[key][v], "k.", alpha=0.6)
+            ax.annotate(f"{rows[i][f'ratio_to_ce{suffix}']}x CE", (i, h), textcoords="offset points", xytext=(0, 4),
+                        ha="center", fontsize=8)
+        for r in rows:
+            if r[f"target_ratio{suffix}"]:
+                ax.axhline(heights[0] * r[f"target_ratio{suffix}"], ls="--", lw=0.8,
+                           color="C1" if r["variant"] == "grpo_beta0" else "C2",
+                           label=f"{r['variant']} target: {r[f'target_ratio{suffix}']}x CE")
+        ax.set_ylabel(f"median step time, {what} seconds")
+        ax.legend(fontsize=7, loc="upper left")
+        ax.grid(True, axis="y", alpha=0.3)
     r = rows[0]
-    ax.set_title(f"llama3 {r['flavor']}, batch {r['batch']} x seq {r['seq_len']}, TP={r['tp']} on CPU, "
-                 f"{r['repeats']} interleaved rounds", fontsize=9)
-    ax.legend(fontsize=7, loc="upper left")
-    ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(f"llama3 {r['flavor']}, batch {r['batch']} x seq {r['seq_len']}, TP={r['tp']} on CPU, "
+                 f"{r['repeats']} interleaved rounds; dots: each round's median", fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 
@@ -261,13 +292,18 @@ def main(argv=None) -> None:
         writer.writeheader()
         writer.writerows(rows)
     plot(rows, medians, out / "step_time.png")
-    print("| variant | median step s | ratio to CE (min-max over rounds) | target | met | reference pass s |\n"
-          "|---|---:|---:|---:|---|---:|")
+    print("| variant | median step s | ratio to CE (rounds' min-max) | target | met | median step CPU s "
+          "| ratio to CE, CPU (min-max) | target, CPU | met, CPU | reference pass s |\n"
+          "|---|---:|---:|---:|---|---:|---:|---:|---|---:|")
     for r in rows:
-        print(f"| {r['variant']} | {r['median_step_s']} | {r['ratio_to_ce']} ({r['ratio_min']}-{r['ratio_max']}) | "
-              f"{r['target_ratio'] or '-'} | {r['meets_target'] if r['meets_target'] != '' else '-'} | "
-              f"{r['ref_pass_s'] or '-'} |")
+        cells = [r["variant"], r["median_step_s"], f"{r['ratio_to_ce']} ({r['ratio_min']}-{r['ratio_max']})",
+                 r["target_ratio"], r["meets_target"], r["median_step_cpu_s"],
+                 f"{r['ratio_to_ce_cpu']} ({r['ratio_min_cpu']}-{r['ratio_max_cpu']})", r["target_ratio_cpu"],
+                 r["meets_target_cpu"], r["ref_pass_s"]]
+        print("| " + " | ".join("-" if c == "" else str(c) for c in cells) + " |")
 
 
 if __name__ == "__main__":
     main()
+else:  # imported by torchtitan as the training jobs' custom_import (benchmarks/ is on their PYTHONPATH)
+    install_step_clock()
