@@ -93,6 +93,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--variants", help=f"comma list of {', '.join(VARIANTS)}; default: {DEFAULT_VARIANTS} "
                    "(--sweep-seq: loss_parallel,chunked; --sweep-chunk: chunked,chunked_compiled)")
     p.add_argument("--passes", default=",".join(PASSES))
+    p.add_argument("--vocab-block", type=int, default=0,
+                   help="fused variants: output-layer rows per block (0: plugin.logprobs.VOCAB_BLOCK)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--entropy-bonus", type=float, default=0.0,
                    help="policy loss subtracts this times the mean entropy, with entropy_grad=True")
@@ -248,8 +250,9 @@ def worker(args) -> None:
                     return loss - args.entropy_bonus * ent.sum() / (B * T) if args.entropy_bonus > 0 else loss
 
                 loss, logprobs, _ = fused_chunked_loss(
-                    hidden, labels, score_head, list(head.parameters()), token_loss, temperature=args.temperature,
+                    hidden, labels, head.norm, head.output.weight, token_loss, temperature=args.temperature,
                     chunk_size=chunk, seq_shards=tp, compiled=variant.compiled, entropy_grad=args.entropy_bonus > 0,
+                    **({"vocab_block": args.vocab_block} if args.vocab_block else {}),
                 )
                 loss.backward()
                 return logprobs
@@ -342,6 +345,7 @@ def measure(args, variant: str, pass_: str, seq: int, chunk: int, workdir: Path,
         "--tp", str(args.tp), "--dtype", args.dtype, "--chunk", str(chunk),
         "--repeats", str(args.repeats), "--variants", variant, "--passes", pass_,
         "--temperature", str(args.temperature), "--entropy-bonus", str(args.entropy_bonus),
+        "--vocab-block", str(args.vocab_block),
     ]
     if args.simulate_oom:
         cmd += ["--simulate-oom", args.simulate_oom]

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.utils.checkpoint import checkpoint
 
 from torchtitan.components.loss import IGNORE_INDEX
@@ -197,22 +197,52 @@ class _FusedChunks(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, run, *params):
-        loss, grad_hidden, grads, logprobs, entropy = run(hidden)
-        ctx.save_for_backward(grad_hidden, *grads)
+        loss, ctx.grad_hidden, ctx.grads, logprobs, entropy = run(hidden)
         ctx.mark_non_differentiable(logprobs, entropy)
         return loss, logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad, _logprobs, _entropy):
-        grad_hidden, *grads = ctx.saved_tensors
-        return grad * grad_hidden, None, *(grad * g for g in grads)
+        # scaled in place, not copied: a second copy of the output weight's gradient would be the pass's peak
+        grads, ctx.grads = [g.mul_(grad) for g in ctx.grads], None
+        return ctx.grad_hidden.mul_(grad), None, *grads
+
+
+VOCAB_BLOCK = 4096  # output-layer rows per block: a chunk's temporaries are [tokens, VOCAB_BLOCK], whatever V
+
+
+def _block_logits(x, w, temperature):
+    return _scaled(x @ w.T, temperature)  # [N, Vb] fp32
+
+
+def _block_stats(x, w, index, m, s, u, picked, temperature):
+    """One vocab block into the running max `m`, sum of exp `s`, sum of exp * logit `u` and label logit, per token."""
+    z = _block_logits(x, w, temperature)
+    m_new = torch.maximum(m, z.amax(-1))
+    e = torch.exp(z - m_new[:, None])
+    scale = torch.exp(m - m_new)
+    hit = (index >= 0) & (index < z.shape[1])  # the label is in this block
+    label_logit = z.gather(1, index.clamp(0, z.shape[1] - 1)[:, None]).squeeze(1)
+    return m_new, s * scale + e.sum(-1), u * scale + (e * z).sum(-1), torch.where(hit, label_logit, picked)
+
+
+def _block_grad(x, w, index, lse, entropy, d_logprob, d_entropy, temperature):
+    """d loss / d logits of one vocab block, in the weight's dtype, from the loss's per-token derivatives."""
+    z = _block_logits(x, w, temperature)
+    logp = z - lse[:, None]
+    p = logp.exp()
+    # d logprob / dz = onehot - p; d entropy / dz = -p * (log p + H)
+    dz = -p * (d_logprob[:, None] + d_entropy[:, None] * (logp + entropy[:, None]))
+    hit = (index >= 0) & (index < z.shape[1])
+    dz = dz.scatter_add(1, index.clamp(0, z.shape[1] - 1)[:, None], torch.where(hit, d_logprob, 0.0)[:, None])
+    return (dz / temperature).to(w.dtype)
 
 
 def fused_chunked_loss(
     hidden: torch.Tensor,
     labels: torch.Tensor,
-    head: Callable[[torch.Tensor], torch.Tensor],
-    params: list[torch.Tensor],
+    norm: torch.nn.Module,
+    weight: torch.Tensor,
     token_loss: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     *,
     temperature: float = 1.0,
@@ -222,16 +252,22 @@ def fused_chunked_loss(
     compiled: bool = False,
     backend: str = "inductor",
     entropy_grad: bool = False,
+    vocab_block: int = VOCAB_BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A per-token loss summed over the batch, with each chunk's forward and backward run in forward.
 
-    Each chunk's logits live only while its loss and gradients (for the hidden states and `params`,
-    the head's parameters) are computed, so nothing is recomputed in backward. The loss must be a
-    sum of per-token terms: `token_loss(logprobs, entropy, index)` gets a chunk's [N] log-probs and
-    entropies and their [N] positions in the flattened [B, T] labels, and returns their loss sum.
+    The head is `norm` (hidden -> the output layer's input) and a bias-free output layer of
+    `weight` [V, D], a Shard(0) DTensor under TP. A chunk's logits are made `vocab_block` rows
+    of the weight (of this rank's shard under TP) at a time, twice: a running log-sum-exp with
+    the entropy's sum of p * logit, then d loss / d logits, each block's gradients for the
+    weight and the output layer's input taken as it goes. Across TP ranks only [N]-sized
+    statistics are all-reduced, the reductions loss_parallel makes. Nothing is recomputed in
+    backward. The loss must be a sum of per-token terms: `token_loss(logprobs, entropy, index)`
+    gets a chunk's [N] log-probs and entropies and their [N] positions in the flattened [B, T]
+    labels, and returns their loss sum.
 
-    Returns the loss (differentiable to `hidden` and `params`) and detached [B, T] log-probs and entropies.
-    Arguments as chunked_logprobs'.
+    Returns the loss (differentiable to `hidden`, `norm`'s parameters and `weight`) and detached
+    [B, T] log-probs and entropies. Arguments as chunked_logprobs'.
     """
     B, T = labels.shape
     S, T_local = seq_shards, hidden.shape[1]
@@ -241,29 +277,68 @@ def fused_chunked_loss(
     # the token layout of chunked_logprobs: this rank's B sequence shards as one sequence, rank-major chunks
     index_by_shard = torch.arange(B * T, device=labels.device).view(B, S, T_local).transpose(0, 1).reshape(S, n)
     k = local_chunk(B, T_local, S, chunk_size, chunk_tokens)
-    score = maybe_compiled(compute_logprobs_and_entropy, compiled, backend)
+    params = [*(p for p in norm.parameters() if p.requires_grad), weight]
+    stats, block_grad = (maybe_compiled(f, compiled, backend) for f in (_block_stats, _block_grad))
+    sharded = isinstance(weight, DTensor)
+    w = weight.to_local() if sharded else weight  # [V / S, D]
+    group = weight.device_mesh.get_group() if sharded else None
+    # DTensor's Shard(0): ceil(V / S) rows a rank, the last ranks' fewer
+    offset = weight.device_mesh.get_local_rank() * -(-weight.shape[0] // S) if sharded else 0
+    blocks = [(v, w[v : v + vocab_block]) for v in range(0, w.shape[0], vocab_block)]
 
     def run(hidden):
         flat_hidden = hidden.detach().reshape(1, n, hidden.shape[-1])  # [1, n, D]
         grad_hidden = torch.zeros_like(flat_hidden)
-        grads = [None] * len(params)
+        grads = [None] * (len(params) - 1)
+        grad_w = torch.zeros_like(w)
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         logprobs, entropy = torch.zeros(B * T, device=labels.device), torch.zeros(B * T, device=labels.device)
         for start in range(0, n, k):
             h_c = flat_hidden[:, start : start + k].requires_grad_()
             index = index_by_shard[:, start : start + k].reshape(-1)  # [S * k] positions in [B * T]
+            label = labels.view(-1)[index]
             with torch.enable_grad():
-                lp, ent = score(head(h_c), labels.view(-1)[index].view(1, -1), temperature, entropy_grad)
-                loss_c = token_loss(lp.view(-1), ent.view(-1), index)
-                # under loss_parallel (train_context) this backward is one too
-                g_h, *g_params = torch.autograd.grad(loss_c, [h_c, *params])
+                x = norm(h_c)  # [1, k, D], Shard(1) under TP
+                if isinstance(x, DTensor):
+                    # the output layer's input is the whole chunk, replicated; each rank's part of its
+                    # gradient covers that rank's vocab shard, and the ranks' parts add up
+                    x = x.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+            x_c = x.detach().view(-1, x.shape[-1])  # [N, D]
+            N = x_c.shape[0]
+            m = torch.full((N,), float("-inf"), device=x_c.device)
+            s, u, picked = torch.zeros(3, N, device=x_c.device)
+            for v, w_b in blocks:
+                m, s, u, picked = stats(x_c, w_b, label - offset - v, m, s, u, picked, temperature)
+            if group is not None:
+                m_all = m.clone()
+                torch.distributed.all_reduce(m_all, torch.distributed.ReduceOp.MAX, group=group)
+                # a label's logit is on one rank, 0 on the others
+                sums = torch.cat([torch.stack([s, u]) * torch.exp(m - m_all), picked[None]])
+                torch.distributed.all_reduce(sums, group=group)
+                m, (s, u, picked) = m_all, sums
+            lse = m + s.log()
+            ignored = label == IGNORE_INDEX
+            lp = torch.where(ignored, 0.0, picked - lse).requires_grad_()
+            ent = (lse - u / s).requires_grad_()
+            with torch.enable_grad():
+                loss_c = token_loss(lp, ent if entropy_grad else ent.detach(), index)
+            d_lp, d_ent = torch.autograd.grad(loss_c, [lp, ent], allow_unused=True, materialize_grads=True)
+            d_lp = torch.where(ignored, 0.0, d_lp)
+            grad_x = torch.zeros_like(x_c, dtype=torch.float32)
+            for v, w_b in blocks:
+                g = block_grad(x_c, w_b, label - offset - v, lse, ent.detach(), d_lp, d_ent, temperature)  # [N, Vb]
+                grad_x += g @ w_b
+                grad_w[v : v + w_b.shape[0]].addmm_(g.T, x_c)
+            g_h, *g_norm = torch.autograd.grad(x, [h_c, *params[:-1]], grad_x.to(x.dtype).view_as(x))
             grad_hidden[:, start : start + k] = g_h
-            # out of place: a DTensor gradient may come Partial (a replicated norm weight's under TP);
-            # fp32, as FSDP accumulates a bf16 parameter's gradient between reduce-scatters
-            grads = [g.float() if acc is None else acc + g for acc, g in zip(grads, g_params)]
+            # out of place: a DTensor gradient may come Partial (a replicated norm weight's under TP)
+            grads = [g if acc is None else acc + g for acc, g in zip(grads, g_norm)]
             loss += loss_c.detach()
-            logprobs[index], entropy[index] = lp.detach().view(-1), ent.detach().view(-1)
-        return loss, grad_hidden.view_as(hidden), grads, logprobs.view(B, T), entropy.view(B, T)
+            logprobs[index], entropy[index] = lp.detach(), ent.detach()
+        if sharded:
+            grad_w = DTensor.from_local(grad_w, weight.device_mesh, weight.placements, shape=weight.shape,
+                                        stride=weight.stride())
+        return loss, grad_hidden.view_as(hidden), [*grads, grad_w], logprobs.view(B, T), entropy.view(B, T)
 
     return _FusedChunks.apply(hidden, run, *params)
 

@@ -134,9 +134,8 @@ class GRPOModel:
                                     r.advantages[row], r.loss_weights[row], mask[index][:, None], entropy[:, None])
             return terms.loss.sum()
 
-        head = lambda h: self.output(self.norm(h))  # noqa: E731
-        with head_for_fused_pass(self) as params:
-            return fused_chunked_loss(hidden, labels, head, params, token_loss, temperature=cfg.temperature,
+        with head_for_fused_pass(self) as weight:
+            return fused_chunked_loss(hidden, labels, self.norm, weight, token_loss, temperature=cfg.temperature,
                                       chunk_size=cfg.chunk_size, chunk_tokens=cfg.chunk_tokens,
                                       seq_shards=cfg.seq_shards, compiled=cfg.compile, backend=cfg.compile_backend,
                                       entropy_grad=cfg.entropy_grad)
@@ -243,9 +242,9 @@ def head_comms_once(model: nn.Module, chunked: bool):
 
 @contextmanager
 def head_for_fused_pass(model: nn.Module):
-    """The head's parameters for [grpo] fused_policy_pass, which runs the head's backward inside forward.
+    """The output layer's weight for [grpo] fused_policy_pass, which runs the head's backward inside forward.
 
-    Under FSDP they are the unsharded parameters, all-gathered once. FSDP would take the pass's
+    Under FSDP the head's parameters are unsharded, all-gathered once. FSDP would take the pass's
     backward for the step's (prefetches, a final callback that ends the iteration mid-forward),
     so its hooks stay quiet as they do while it recomputes a group for activation checkpointing.
     The fused pass's backward hands the gradients to the unsharded parameters, and the root's
@@ -257,7 +256,7 @@ def head_for_fused_pass(model: nn.Module):
         state = group._get_fsdp_state()
         training_state, state._training_state = state._training_state, TrainingState.PRE_BACKWARD
     try:
-        yield list({id(p): p for p in [*model.norm.parameters(), *model.output.parameters()] if p.requires_grad}.values())
+        yield model.output.weight
     finally:
         if group is not None:
             state._training_state = training_state
