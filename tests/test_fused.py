@@ -281,16 +281,17 @@ def test_fused_tp2(tp_fused, chunk_tokens, vocab_block):
     assert_check_passed(tp_fused, f"fused_{chunk_tokens}_{vocab_block}")
 
 
-@pytest.mark.parametrize("nproc, tp", [(1, 1), (2, 2), (2, 1), (4, 2)], ids=["1rank", "tp2", "fsdp2", "tp2_fsdp2"])
-def test_fused_run_matches_todays_path(nproc, tp, seed_checkpoint, tmp_path_factory):
+@pytest.mark.parametrize("nproc, tp, replicate", [(1, 1, 1), (2, 2, 1), (2, 1, 1), (4, 2, 1), (4, 1, 2)],
+                         ids=["1rank", "tp2", "fsdp2", "tp2_fsdp2", "hsdp2x2"])
+def test_fused_run_matches_todays_path(nproc, tp, replicate, seed_checkpoint, tmp_path_factory):
     """torchtitan's own train.py, 2 steps with an entropy bonus and chunks: the same losses and grad norms.
 
-    The ranks TP leaves over shard the model (FSDP): 2 ranks at TP=1, 4 at TP=2.
+    The ranks TP and `replicate` (HSDP's replicas) leave over shard the model (FSDP).
     """
     from conftest import scalars, train
 
-    flags = ["--parallelism.tensor_parallel_degree", str(tp), "--grpo.entropy_coef", "0.01",
-             "--grpo.logprob_chunk_tokens", "64"]
+    flags = ["--parallelism.tensor_parallel_degree", str(tp), "--parallelism.data_parallel_replicate_degree",
+             str(replicate), "--grpo.entropy_coef", "0.01", "--grpo.logprob_chunk_tokens", "64"]
     want = scalars(train(tmp_path_factory, seed_checkpoint, f"unfused_{nproc}", nproc, *flags, steps=2))
     got = scalars(train(tmp_path_factory, seed_checkpoint, f"fused_{nproc}", nproc, *flags,
                         "--grpo.fused_policy_pass", steps=2))
