@@ -38,7 +38,7 @@ from torchtitan.tools.logging import logger
 
 from .metrics import GRPOStats, OnlineStats
 from .rewards import load_reward_fns, score
-from .rollouts import MAX_QUOTED, Completion, RolloutError, _Bad, _JsonlFile, rollout_format
+from .rollouts import MAX_QUOTED, Completion, RolloutError, _Bad, _JsonlFile, _ParquetFile, rollout_format
 
 PROMPT_FIELDS = ("prompt", "prompt_ids")
 _DATASETS: list["OnlineDataset"] = []  # built in this process, waiting for the policy (attach)
@@ -54,18 +54,9 @@ class Prompt:
 
 def _rows(path: str, fmt: str):
     """(where, row or _Bad) for every row of a JSONL or Parquet prompt file, every column kept."""
-    if rollout_format(path, fmt) == "jsonl":
-        source = _JsonlFile(path)
-        for line, _, row in source.scan():
-            yield source.where(line), row
-        return
-    import pyarrow.parquet as pq
-
-    n = 0
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
-        for row in batch.to_pylist():
-            yield f"{path}: row {n}", row
-            n += 1
+    source = _JsonlFile(path) if rollout_format(path, fmt) == "jsonl" else _ParquetFile(path, every_column=True)
+    for line, _, row in source.scan():
+        yield source.where(line), row
 
 
 def load_prompts(path: str, encoder, tokenizer, *, fmt: str, max_new_tokens: int, on_error: str) -> tuple[list[Prompt], int]:

@@ -256,11 +256,12 @@ class _JsonlFile:
 
 
 class _ParquetFile:
-    def __init__(self, path: str):
+    def __init__(self, path: str, every_column: bool = False):
         self.path = path
         meta = self._open().metadata
         names = meta.schema.to_arrow_schema().names
-        self.columns = [c for c in names if c in FIELDS]  # other columns are never decoded
+        # a rollout file's other columns are never decoded; a prompt file's all reach the reward functions
+        self.columns = None if every_column else [c for c in names if c in FIELDS]
         self.grouped = any(c in names for c in GROUPED_FIELDS)
         self.starts = np.cumsum([0] + [meta.row_group(i).num_rows for i in range(meta.num_row_groups)])
         self.largest_row_group = max((meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)), default=0)
