@@ -35,6 +35,9 @@ def _worker(rank: int, world_size: int, port: int, fn, args, errors) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
+        # no rank tears gloo down while a peer may still use it: CI saw a rank abort in the teardown
+        # ("terminate called without an active exception") after a fused FSDP test's work was done
+        dist.barrier()
     except Exception:
         errors.put((rank, traceback.format_exc()))
         raise
