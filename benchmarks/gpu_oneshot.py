@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from job_status import OK, OOM, TIMEOUT, classify, run_job
+from job_status import OK, OOM, TIMEOUT, classify, read_scalars, run_job
 
 REPO = Path(__file__).resolve().parents[1]
 WHEELS = REPO / "benchmarks" / "wheels"
@@ -332,24 +332,6 @@ def part_grpo(run: Run, timeout: float) -> None:
     # an error's status already ends with its detail
     said = status if status.startswith("error") or not detail else f"{status}: {detail}"
     run.sections.append(head + "\n\n" + grpo_summary(steps, first + said, compiled))
-
-
-def read_scalars(dump: Path) -> dict[int, dict[str, float]]:
-    """step -> tag -> value from the run's TensorBoard events; {} without them."""
-    runs = sorted((dump / "tb").glob("*")) if (dump / "tb").exists() else []
-    if not runs:
-        return {}
-    try:
-        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    except ImportError:
-        return {}
-    acc = EventAccumulator(str(runs[-1]))
-    acc.Reload()
-    steps: dict[int, dict[str, float]] = {}
-    for tag in acc.Tags()["scalars"]:
-        for e in acc.Scalars(tag):
-            steps.setdefault(e.step, {})[tag] = e.value
-    return steps
 
 
 def parse_log(output: str) -> dict[int, dict[str, float]]:

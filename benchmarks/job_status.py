@@ -2,8 +2,9 @@
 
 A worker process that fails writes a one-line JSON report (`write_report`) and, when it ran out of
 memory, exits with OOM_EXIT; the launcher runs each job in its own process group (`run_job`) and
-turns the exit status, the reports and the output into a status (`classify`). Standard library
-only, so the launchers can use it before torch is imported and the tests can load it on its own.
+turns the exit status, the reports and the output into a status (`classify`); `read_scalars` gives
+what a torchtitan job logged to TensorBoard. Standard library only at import (tensorboard is imported
+when read), so the launchers can use it before torch is imported and the tests can load it on its own.
 """
 
 import json
@@ -116,3 +117,21 @@ def fake_oom(mode: str, where: str) -> None:
     import torch
 
     raise torch.OutOfMemoryError(f"simulated: out of memory at the start of {where} ({SIMULATE_ENV} / --simulate-oom)")
+
+
+def read_scalars(dump: Path) -> dict[int, dict[str, float]]:
+    """step -> tag -> value from the TensorBoard events of a torchtitan dump folder (every launch in it,
+    later ones winning); {} without events or without the tensorboard package."""
+    runs = sorted((Path(dump) / "tb").glob("*")) if (Path(dump) / "tb").exists() else []
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError:
+        return {}
+    steps: dict[int, dict[str, float]] = {}
+    for run in runs:
+        acc = EventAccumulator(str(run))
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            for e in acc.Scalars(tag):
+                steps.setdefault(e.step, {})[tag] = e.value
+    return steps

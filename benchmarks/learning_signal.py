@@ -37,6 +37,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from job_status import read_scalars  # benchmarks/, the script's folder
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 CONFIG = "train_configs/debug_cpu.toml"
@@ -151,18 +153,6 @@ def torchrun(nproc: int, *args: str, config: str = CONFIG) -> float:
     return time.perf_counter() - start
 
 
-def train_rewards(dump: Path) -> dict[int, float]:
-    """step -> grpo/reward_mean, from a run's TensorBoard events."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    out = {}
-    for run_dir in sorted((dump / "tb").iterdir()):
-        acc = EventAccumulator(str(run_dir))
-        acc.Reload()
-        out.update({e.step: e.value for e in acc.Scalars("grpo/reward_mean")})
-    return out
-
-
 def online(out: Path, steps: int, every: int, results: Path) -> None:
     """The online example from scratch: warm-up, online GRPO, held-out accuracy of every checkpoint."""
     warm, run = out / "warmup", out / "online"
@@ -175,7 +165,7 @@ def online(out: Path, steps: int, every: int, results: Path) -> None:
                         config="train_configs/online_cpu.toml")
     checkpoints = {0: start, **{s: run / "checkpoint" / f"step-{s}" for s in range(every, steps + 1, every)}}
     accuracy = {s: heldout_accuracy(load_policy(c, max_seq_len=32)) for s, c in checkpoints.items()}
-    rewards = train_rewards(run)
+    rewards = {s: tags["grpo/reward_mean"] for s, tags in read_scalars(run).items()}
 
     results.mkdir(parents=True, exist_ok=True)
     with open(results / "online_learning.csv", "w", newline="") as f:

@@ -39,7 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from job_status import run_job
+from job_status import read_scalars, run_job
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = "train_configs/debug_cpu.toml"
@@ -130,22 +130,9 @@ def run_variant(args, variant: str, data: Path, dump: Path, env: dict) -> dict:
     if variant == "forward":
         times = json.loads((dump / "forward.json").read_text())
         return {"times": times["wall"][args.warmup :], "cpu": times["cpu"][args.warmup :], "ref": []}
-    tags = scalars(dump)
-    return {"times": tags["time_metrics/end_to_end(s)"][args.warmup :], "cpu": tags[CPU_TAG][args.warmup :],
-            "ref": tags.get("grpo/ref_time(s)", [])[args.warmup :]}
-
-
-def scalars(dump: Path) -> dict[str, list[float]]:
-    """TensorBoard scalars of a job's dump folder: tag -> values in step order."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    out = {}
-    for run_dir in sorted((dump / "tb").iterdir()):
-        acc = EventAccumulator(str(run_dir))
-        acc.Reload()
-        for tag in acc.Tags()["scalars"]:
-            out[tag] = [e.value for e in sorted(acc.Scalars(tag), key=lambda e: e.step)]
-    return out
+    steps = [tags for _, tags in sorted(read_scalars(dump).items())][args.warmup :]
+    return {"times": [t["time_metrics/end_to_end(s)"] for t in steps], "cpu": [t[CPU_TAG] for t in steps],
+            "ref": [t["grpo/ref_time(s)"] for t in steps if "grpo/ref_time(s)" in t]}
 
 
 def forward_worker(spec: dict) -> None:
