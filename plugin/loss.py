@@ -121,19 +121,10 @@ def token_terms_fn(job_config):
     """grpo_token_terms with the run's [grpo] settings; compiled when [compile] components has 'loss'."""
     cfg = job_config.grpo
     terms_fn = maybe_compiled(grpo_token_terms, compiles_loss(job_config), job_config.compile.backend)
-    return partial(
-        terms_fn,
-        clip_low=cfg.clip_low,
-        clip_high=cfg.clip_high,
-        beta=cfg.beta,
-        kl_estimator=cfg.kl_estimator,
-        dual_clip=cfg.dual_clip,
-        ratio_cap=cfg.behavior_ratio_cap,
-        entropy_coef=cfg.entropy_coef,
-        kl_log_ratio_clamp=cfg.kl_log_ratio_clamp,
-        kl_max=cfg.kl_max,
-        bias_correction_kl=cfg.use_bias_correction_kl,
-    )
+    same_name = ("clip_low", "clip_high", "beta", "kl_estimator", "dual_clip", "entropy_coef", "kl_log_ratio_clamp",
+                 "kl_max")  # [grpo] keys named as grpo_token_terms' arguments
+    return partial(terms_fn, **{key: getattr(cfg, key) for key in same_name}, ratio_cap=cfg.behavior_ratio_cap,
+                   bias_correction_kl=cfg.use_bias_correction_kl)
 
 
 def build_grpo_loss(job_config, **kwargs):
