@@ -50,16 +50,13 @@ _COMPARE_RE = re.compile(r"Q: (\d) (\d) (max|min) (\d) (\d) =")
 
 
 def make_prompt(a: int, op: str, b: int) -> str:
-    return f"Q: {a}{op}{b}="
+    """The prompt "a op b": "Q: 37+45=" for + and -, the compare variant's "Q: 3 7 max 4 5 =" for max and min."""
+    return f"Q: {spell(a)} {op} {spell(b)} =" if op in COMPARE_OPS else f"Q: {a}{op}{b}="
 
 
 def spell(n: int) -> str:
     """A compare operand or answer, two digits with a space between: spell(5) == "0 5"."""
     return " ".join(f"{n:02d}")
-
-
-def make_compare_prompt(a: int, op: str, b: int) -> str:
-    return f"Q: {spell(a)} {op} {spell(b)} ="
 
 
 def answer(prompt: str) -> int:
@@ -109,14 +106,22 @@ def prompt_pool(split: str, compare: bool = False) -> list[str]:
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
     want_heldout = split == "heldout"
-    make, ops = (make_compare_prompt, COMPARE_OPS) if compare else (make_prompt, "+-")
+    ops = COMPARE_OPS if compare else "+-"
     return [
         prompt
         for op in ops
         for a in range(OPERAND_MAX + 1)
         for b in range(OPERAND_MAX + 1)
-        if is_heldout(prompt := make(a, op, b)) == want_heldout
+        if is_heldout(prompt := make_prompt(a, op, b)) == want_heldout
     ]
+
+
+def _sample_prompts(split: str, n_groups: int, rng: random.Random, compare: bool = False) -> list[str]:
+    """`n_groups` distinct prompts of `split` (of the compare variant if `compare`), drawn with `rng`."""
+    pool = prompt_pool(split, compare)
+    if n_groups > len(pool):
+        raise ValueError(f"{split} has only {len(pool)} prompts, asked for {n_groups}")
+    return rng.sample(pool, n_groups)
 
 
 def _wrong_number(correct: int, rng: random.Random) -> int:
@@ -149,11 +154,8 @@ def generate_rollouts(
     if group_size < 2:
         raise ValueError("group_size must be >= 2 so each group can mix rewards")
     rng = random.Random(seed)
-    pool = prompt_pool(split)
-    if n_groups > len(pool):
-        raise ValueError(f"{split} has only {len(pool)} prompts, asked for {n_groups}")
     rows = []
-    for group, prompt in enumerate(rng.sample(pool, n_groups)):
+    for group, prompt in enumerate(_sample_prompts(split, n_groups, rng)):
         # Resample until the group has a right and a wrong answer, else its advantages are all 0.
         while True:
             completions = [solve(prompt, rng) for _ in range(group_size)]
@@ -181,12 +183,8 @@ def warmup_rollouts(n_groups: int, seed: int) -> list[dict]:
     from tokenizers import Tokenizer
 
     eos_id = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json")).token_to_id(EOS_TOKEN)
-    rng = random.Random(seed)
-    pool = prompt_pool("train", compare=True)
-    if n_groups > len(pool):
-        raise ValueError(f"train has only {len(pool)} prompts, asked for {n_groups}")
     rows = []
-    for group, prompt in enumerate(rng.sample(pool, n_groups)):
+    for group, prompt in enumerate(_sample_prompts("train", n_groups, random.Random(seed), compare=True)):
         rows.append({"prompt": prompt, "completion": completion_for(prompt), "reward": 1.0, "group": group})
         rows.append({"prompt": prompt, "completion_ids": [eos_id], "reward": 0.0, "group": group,
                      "logprobs": [0.0]})
