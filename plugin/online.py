@@ -36,9 +36,11 @@ from torch.utils.data import IterableDataset
 
 from torchtitan.tools.logging import logger
 
+from .data import Collate, GroupStream
 from .metrics import GRPOStats, OnlineStats
 from .rewards import load_reward_fns, score
 from .rollouts import MAX_QUOTED, Completion, RolloutError, _Bad, _JsonlFile, _ParquetFile, rollout_format
+from .sampler import build_sampler
 
 PROMPT_FIELDS = ("prompt", "prompt_ids")
 _DATASETS: list["OnlineDataset"] = []  # built in this process, waiting for the policy (attach)
@@ -52,13 +54,6 @@ class Prompt:
     where: str  # file:line (JSONL) or file: row n (Parquet)
 
 
-def _rows(path: str, fmt: str):
-    """(where, row or _Bad) for every row of a JSONL or Parquet prompt file, every column kept."""
-    source = _JsonlFile(path) if rollout_format(path, fmt) == "jsonl" else _ParquetFile(path, every_column=True)
-    for line, _, row in source.scan():
-        yield source.where(line), row
-
-
 def load_prompts(path: str, encoder, tokenizer, *, fmt: str, max_new_tokens: int, on_error: str) -> tuple[list[Prompt], int]:
     """Every prompt row, checked; (prompts, rows skipped). A bad row raises naming file, line and field,
     or with on_error = "skip" is counted, logged and left out."""
@@ -66,7 +61,9 @@ def load_prompts(path: str, encoder, tokenizer, *, fmt: str, max_new_tokens: int
         raise FileNotFoundError(f"[training] dataset_path = {path!r}: no such prompt file")
     prompts, problems, skipped = [], [], 0
     limit = encoder.seq_len + 1 - max_new_tokens  # the input drops a training sequence's last token
-    for where, row in _rows(path, fmt):
+    source = _JsonlFile(path) if rollout_format(path, fmt) == "jsonl" else _ParquetFile(path, every_column=True)
+    for line, _, row in source.scan():
+        where = source.where(line)
         try:
             if isinstance(row, _Bad):
                 raise row
@@ -107,8 +104,6 @@ class OnlineDataset(IterableDataset, Stateful):
 
     def __init__(self, prompts: list[Prompt], plan, collate, seed: int, online, reward_fns, tokenizer,
                  pad_id: int, stop_ids: list[int], temperature: float, dump_folder: str):
-        from .data import GroupStream
-
         self.prompts, self.plan, self.collate, self.seed, self.cfg = prompts, plan, collate, seed, online
         self.reward_fns, self.tokenizer, self.pad_id, self.stop_ids = reward_fns, tokenizer, pad_id, stop_ids
         self.temperature, self.dump_folder = temperature, dump_folder
@@ -161,8 +156,6 @@ class OnlineDataset(IterableDataset, Stateful):
             raise RuntimeError("online mode: no policy was attached to the dataset (plugin.model's parallelize "
                                "function attaches it; is [model] name a grpo_* model?)")
         if self.sampler is None:
-            from .sampler import build_sampler
-
             self.sampler = build_sampler(self.policy, kv_cache=self.cfg.kv_cache, max_new_tokens=self.cfg.max_new_tokens,
                                          stop_ids=self.stop_ids, temperature=self.temperature, pad_id=self.pad_id)
         plan, G = self.plan, self.plan.group_size
@@ -237,7 +230,7 @@ class OnlineDataset(IterableDataset, Stateful):
                      num_prompts=len(self.prompts))
         mid_batch = self.microbatch < self.plan.grad_accum or self.iteration + 1 < self.cfg.num_iterations
         if self.batch is not None and (self.iteration or self.microbatch) and mid_batch:
-            state["batch"] = [_cpu(record) for record in self.batch]
+            state["batch"] = [dict(rec, rollouts=rec["rollouts"].to(torch.device("cpu"))) for rec in self.batch]
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -252,11 +245,6 @@ class OnlineDataset(IterableDataset, Stateful):
         self.batch = state_dict.get("batch")
 
 
-def _cpu(record: dict) -> dict:
-    r = record["rollouts"].to(torch.device("cpu"))
-    return dict(record, rollouts=r)
-
-
 def attach(policy, parallel_dims) -> None:
     """Hand the parallelized policy to the online datasets built in this process (called by plugin.model)."""
     while _DATASETS:
@@ -265,8 +253,6 @@ def attach(policy, parallel_dims) -> None:
 
 def build_online_dataset(job_config, tokenizer, encoder, plan_for, dp_rank: int, dp_world_size: int):
     """The online dataset for [training] dataset_path's prompts; `plan_for(group_size)` cuts batches as for files."""
-    from .data import Collate
-
     training, grpo, online, cfg = job_config.training, job_config.grpo, job_config.online, job_config.rollout_data
     G = online.num_generations
     if grpo.group_size not in (0, G):
