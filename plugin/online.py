@@ -39,7 +39,7 @@ from torchtitan.tools.logging import logger
 from .data import Collate, GroupStream
 from .metrics import GRPOStats, OnlineStats
 from .rewards import load_reward_fns, score
-from .rollouts import MAX_QUOTED, Completion, RolloutError, _Bad, _JsonlFile, _ParquetFile, rollout_format
+from .rollouts import Completion, RolloutError, _Bad, _JsonlFile, _ParquetFile, report, rollout_format
 from .sampler import build_sampler
 
 PROMPT_FIELDS = ("prompt", "prompt_ids")
@@ -72,11 +72,8 @@ def load_prompts(path: str, encoder, tokenizer, *, fmt: str, max_new_tokens: int
                 raise _Bad(f"the prompt is {len(ids)} tokens; with [online] max_new_tokens = {max_new_tokens} "
                            f"a prompt may have at most [training] seq_len + 1 - max_new_tokens = {limit}")
         except _Bad as e:
-            if on_error == "raise":
-                raise RolloutError(f"{where}: {e}") from None
+            report(problems, on_error, f"{where}: {e}")
             skipped += 1
-            if len(problems) < MAX_QUOTED:
-                problems.append(f"{where}: {e}")
             continue
         text = row["prompt"] if row.get("prompt") is not None else tokenizer.decode(ids)
         columns = {k: v for k, v in row.items() if k not in PROMPT_FIELDS}

@@ -107,6 +107,14 @@ def _logprobs(value, name: str, given: int, total: int) -> list[float]:
     return out + [math.nan] * (total - len(out))
 
 
+def report(problems: list[str], on_error: str, error: str) -> None:
+    """A bad row's error: raised with on_error = "raise", else quoted in `problems` (the first few) for the log."""
+    if on_error == "raise":
+        raise RolloutError(error) from None
+    if len(problems) < MAX_QUOTED:
+        problems.append(error)
+
+
 def _group_key(row: dict) -> int:
     """A flat row's `group` as a 64-bit hash: an int and its decimal string stay different groups."""
     value = _field(row.get("group"), "group", (int, str), "str or int")
@@ -401,13 +409,6 @@ def index_rollouts(path: str, encoder: Encoder, *, fmt: str = "auto", group_size
                        "every batch that touches it; write the file with smaller row groups (README)")
     cols, problems, rows, orphans = _Columns(), [], 0, 0
     grouped = source.grouped
-
-    def report(error: str) -> None:  # the first problem raises, or the first few are quoted in the log
-        if on_error == "raise":
-            raise RolloutError(error) from None
-        if len(problems) < MAX_QUOTED:
-            problems.append(error)
-
     for line, offset, row in source.scan():
         rows += 1
         key = None
@@ -420,7 +421,7 @@ def index_rollouts(path: str, encoder: Encoder, *, fmt: str = "auto", group_size
             key = rows if grouped else _group_key(row)
             completions = encoder.grouped(row) if grouped else [encoder.flat(row)]
         except _Bad as e:
-            report(f"{source.where(line)}: {e}")
+            report(problems, on_error, f"{source.where(line)}: {e}")
             if key is None:
                 orphans += 1  # no group to spoil
             else:
@@ -452,7 +453,8 @@ def index_rollouts(path: str, encoder: Encoder, *, fmt: str = "auto", group_size
     expected = group_size or (int(np.bincount(sizes[sized]).argmax()) if sized.any() else 0)
     offsets = cols.numpy("offset", np.int64)
     for g in np.flatnonzero(~spoiled & (sizes != expected))[: MAX_QUOTED - len(problems)]:
-        report(_size_problem(source, grouped, int(offsets[first[g]]), int(sizes[g]), expected, group_size))
+        problem = _size_problem(source, grouped, int(offsets[first[g]]), int(sizes[g]), expected, group_size)
+        report(problems, on_error, problem)
     keep = ~spoiled & (sizes == expected)
     if not keep.any():
         raise RolloutError(f"{path}: no valid groups of {expected or 'at least 2'} completions"
