@@ -174,37 +174,30 @@ class OnlineDataset(IterableDataset, Stateful):
         lengths = [len(c) for c in samples.completions]
 
         # advantages (batch_std) and loss weights need every DP rank's rewards and lengths
-        gathered = [(positions, totals, per_fn, lengths, samples.truncated, gen_time)]
+        part = (positions, gen_time, [totals, lengths, samples.truncated, *per_fn])
+        gathered = [part]
         if self.dp_group is not None:
             gathered = [None] * dist.get_world_size(self.dp_group)
-            dist.all_gather_object(gathered, (positions, totals, per_fn, lengths, samples.truncated, gen_time),
-                                   group=self.dp_group)
+            dist.all_gather_object(gathered, part, group=self.dp_group)
         n = plan.groups_per_step * G
-        rewards, lens, truncated = [0.0] * n, [0] * n, [False] * n
-        fn_rewards = [[0.0] * n for _ in self.reward_fns]
-        for pos, tot, fns, ln, tr, _ in gathered:
-            for k, i in enumerate(pos):
-                for m in range(G):
-                    src, dst = k * G + m, i * G + m
-                    rewards[dst], lens[dst], truncated[dst] = tot[src], ln[src], tr[src]
-                    for f in range(len(fns)):
-                        fn_rewards[f][dst] = fns[f][src]
-        self.stats.record(max(g[-1] for g in gathered), lens, truncated, fn_rewards)
+        # reward, length, truncated and each function's reward of every completion, in batch order
+        values = [[0.0] * n, [0] * n, [False] * n, *([0.0] * n for _ in self.reward_fns)]
+        for pos, _, rank_values in gathered:
+            for k, i in enumerate(pos):  # the rank's k-th group is the batch's i-th
+                for column, v in zip(values, rank_values):
+                    column[i * G : (i + 1) * G] = v[k * G : (k + 1) * G]
+        rewards, lens, truncated, *fn_rewards = values
+        self.stats.record(max(g[1] for g in gathered), lens, truncated, fn_rewards)
         if self.cfg.log_completions and self.writes_log:
             self._log(index, mine, texts, samples, totals, per_fn)
 
         rewards_t, lens_t = torch.tensor(rewards, dtype=torch.float32), torch.tensor(lens, dtype=torch.long)
-        local = {i: k for k, i in enumerate(positions)}  # group position in the batch -> my k-th group
         batch = []
         for j in range(plan.grad_accum):
             rows = plan.rows(j)
-            completions = []
-            for row in rows:
-                i, m = divmod(row, G)
-                s = local[i] * G + m
-                p = mine[s]
-                completions.append(Completion(p.ids + samples.completions[s], len(p.ids), rewards[row],
-                                              samples.logprobs[s]))
+            # `mine` is in batch order (`positions`), so microbatch j's completions are its j-th run of len(rows)
+            completions = [Completion(mine[s].ids + samples.completions[s], len(mine[s].ids), rewards[row],
+                                      samples.logprobs[s]) for s, row in enumerate(rows, start=j * len(rows))]
             inputs, labels = self.collate(rewards_t, lens_t, rows, completions)
             r = inputs["rollouts"]
             batch.append(dict(input=inputs["input"], labels=labels, rollouts=r, sampler_logprobs=r.sampler_logprobs))
