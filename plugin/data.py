@@ -248,49 +248,50 @@ def build_rollout_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_co
         what = "a prompt file" if online else "a rollout file"
         raise ValueError(f"[training] dataset_path is empty: set it to {what} (JSONL or Parquet)")
     encoder = Encoder(tokenizer, model_vocab_size(job_config, tokenizer), training.seq_len, cfg.chat_template)
+    pad_id = tokenizer.eos_id if tokenizer.eos_id is not None else 0
 
-    def plan_for(group_size: int) -> BatchPlan:
+    def batching(group_size: int, available: int, what: str, sampled: bool = False) -> tuple[BatchPlan, Collate]:
+        """How `available` groups (`what`: "groups" of a file, "prompts" online) are cut into batches and collated."""
         if training.local_batch_size % group_size:
             raise ValueError(
                 f"[training] local_batch_size = {training.local_batch_size} must be a multiple of the "
                 f"group size {group_size}: a group is never split across batches"
             )
         global_batch = training.global_batch_size if training.global_batch_size > 0 else training.local_batch_size * dp_world_size
-        return BatchPlan(
+        plan = BatchPlan(
             group_size=group_size,
             groups_per_microbatch=training.local_batch_size // group_size,
             grad_accum=global_batch // (training.local_batch_size * dp_world_size),
             dp_rank=dp_rank,
             dp_world_size=dp_world_size,
         )
+        if plan.groups_per_step > available:
+            of = f"{group_size} completions" if sampled else group_size
+            raise RolloutError(f"{training.dataset_path}: {available} {what}, fewer than one global batch "
+                               f"({plan.groups_per_step} {what} of {of})")
+        return plan, Collate(training.seq_len, pad_id, job_config.grpo, group_size, sampled)
 
     if online:
         from .online import build_online_dataset
 
-        dataset = build_online_dataset(job_config, tokenizer, encoder, plan_for, dp_rank, dp_world_size)
+        dataset = build_online_dataset(job_config, tokenizer, encoder, batching)
     else:
-        dataset = _rollout_dataset(job_config, tokenizer, encoder, plan_for)
+        dataset = _rollout_dataset(job_config, encoder, batching)
     # the dataset yields whole microbatches: no automatic batching
     return ParallelAwareDataloader(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=None)
 
 
-def _rollout_dataset(job_config, tokenizer, encoder, plan_for) -> RolloutDataset:
+def _rollout_dataset(job_config, encoder, batching) -> RolloutDataset:
     training, grpo, cfg = job_config.training, job_config.grpo, job_config.rollout_data
     index = index_rollouts(training.dataset_path, encoder, fmt=cfg.format, group_size=grpo.group_size,
                            on_error=cfg.on_error)
     # every rank indexes the whole file, so the count is the same on all of them
     GRPOStats.skipped_rows = index.skipped_rows
     group_size = index.group_size
-    plan = plan_for(group_size)
-    if plan.groups_per_step > index.num_groups:
-        raise RolloutError(
-            f"{training.dataset_path}: {index.num_groups} groups, fewer than one global batch "
-            f"({plan.groups_per_step} groups of {group_size})"
-        )
+    plan, collate = batching(group_size, index.num_groups, "groups")
     logger.info(
         f"Rollouts: {index.num_groups} groups of {group_size} from {training.dataset_path} "
         f"({'grouped' if index.grouped else 'flat'} rows, index {index.nbytes / 2**20:.2f} MiB); "
         f"{plan.groups_per_step} groups per step, {index.num_groups / plan.groups_per_step:.1f} steps per epoch"
     )
-    pad_id = tokenizer.eos_id if tokenizer.eos_id is not None else 0
-    return RolloutDataset(index, plan, Collate(training.seq_len, pad_id, grpo, group_size), job_config.debug.seed or 0)
+    return RolloutDataset(index, plan, collate, job_config.debug.seed or 0)

@@ -36,7 +36,7 @@ from torch.utils.data import IterableDataset
 
 from torchtitan.tools.logging import logger
 
-from .data import Collate, GroupStream
+from .data import GroupStream
 from .metrics import GRPOStats, OnlineStats
 from .rewards import load_reward_fns, score
 from .rollouts import Completion, RolloutError, _Bad, _JsonlFile, _ParquetFile, report, rollout_format
@@ -241,8 +241,8 @@ def attach(policy, parallel_dims) -> None:
         _DATASETS.pop().attach(policy, parallel_dims)
 
 
-def build_online_dataset(job_config, tokenizer, encoder, plan_for, dp_rank: int, dp_world_size: int):
-    """The online dataset for [training] dataset_path's prompts; `plan_for(group_size)` cuts batches as for files."""
+def build_online_dataset(job_config, tokenizer, encoder, batching):
+    """The online dataset for [training] dataset_path's prompts; `batching` (plugin.data) cuts batches as for files."""
     training, grpo, online, cfg = job_config.training, job_config.grpo, job_config.online, job_config.rollout_data
     G = online.num_generations
     if grpo.group_size not in (0, G):
@@ -260,17 +260,12 @@ def build_online_dataset(job_config, tokenizer, encoder, plan_for, dp_rank: int,
     prompts, skipped = load_prompts(training.dataset_path, encoder, tokenizer, fmt=cfg.format,
                                     max_new_tokens=online.max_new_tokens, on_error=cfg.on_error)
     GRPOStats.skipped_rows = skipped
-    plan = plan_for(G)
-    if plan.groups_per_step > len(prompts):
-        raise RolloutError(f"{training.dataset_path}: {len(prompts)} prompts, fewer than one global batch "
-                           f"({plan.groups_per_step} prompts of {G} completions)")
+    plan, collate = batching(G, len(prompts), "prompts", sampled=True)
     logger.info(
         f"Online GRPO: {len(prompts)} prompts from {training.dataset_path}, {plan.groups_per_step} per batch, "
         f"{G} completions each, up to {online.max_new_tokens} new tokens (stop ids {stop_ids}), "
         f"{online.num_iterations} optimizer step(s) per batch, rewards: "
         + ", ".join(f"{f.weight:g} * {f.key.split('= ', 1)[1]}" for f in reward_fns)
     )
-    pad_id = tokenizer.eos_id if tokenizer.eos_id is not None else 0
-    collate = Collate(training.seq_len, pad_id, grpo, G, sampled=True)
-    return OnlineDataset(prompts, plan, collate, job_config.debug.seed or 0, online, reward_fns, tokenizer, pad_id,
-                         stop_ids, grpo.temperature, job_config.job.dump_folder)
+    return OnlineDataset(prompts, plan, collate, job_config.debug.seed or 0, online, reward_fns, tokenizer,
+                         collate.pad_id, stop_ids, grpo.temperature, job_config.job.dump_folder)
