@@ -63,7 +63,6 @@ def load_prompts(path: str, encoder, tokenizer, *, fmt: str, max_new_tokens: int
     limit = encoder.seq_len + 1 - max_new_tokens  # the input drops a training sequence's last token
     source = _JsonlFile(path) if rollout_format(path, fmt) == "jsonl" else _ParquetFile(path, every_column=True)
     for line, _, row in source.scan():
-        where = source.where(line)
         try:
             if isinstance(row, _Bad):
                 raise row
@@ -72,12 +71,12 @@ def load_prompts(path: str, encoder, tokenizer, *, fmt: str, max_new_tokens: int
                 raise _Bad(f"the prompt is {len(ids)} tokens; with [online] max_new_tokens = {max_new_tokens} "
                            f"a prompt may have at most [training] seq_len + 1 - max_new_tokens = {limit}")
         except _Bad as e:
-            report(problems, on_error, f"{where}: {e}")
+            report(problems, on_error, f"{source.where(line)}: {e}")
             skipped += 1
             continue
         text = row["prompt"] if row.get("prompt") is not None else tokenizer.decode(ids)
         columns = {k: v for k, v in row.items() if k not in PROMPT_FIELDS}
-        prompts.append(Prompt(ids, text, columns, where))
+        prompts.append(Prompt(ids, text, columns, source.where(line)))
     if skipped:
         logger.warning(f"{path}: {skipped} prompt rows skipped ([rollout_data] on_error = \"skip\"); first problems:\n  "
                        + "\n  ".join(problems))
