@@ -230,14 +230,6 @@ class Collate:
         return {"input": inputs, "labels": labels, "rollouts": rollouts}, labels
 
 
-def model_vocab_size(job_config, tokenizer) -> int:
-    """The model's vocabulary size (ids at or above it index past the embedding); else the tokenizer's."""
-    try:
-        return get_train_spec(job_config.model.name).model_args[job_config.model.flavor].vocab_size
-    except (KeyError, ValueError, AttributeError):
-        return tokenizer.get_vocab_size()
-
-
 def build_rollout_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config, **kwargs):
     """torchtitan's dataloader builder: the rollout file, or in online mode the prompt file, of [training] dataset_path."""
     # the first of the GRPO TrainSpec's builders that torchtitan's Trainer calls
@@ -247,7 +239,11 @@ def build_rollout_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_co
     if not training.dataset_path:
         what = "a prompt file" if online else "a rollout file"
         raise ValueError(f"[training] dataset_path is empty: set it to {what} (JSONL or Parquet)")
-    encoder = Encoder(tokenizer, model_vocab_size(job_config, tokenizer), training.seq_len, cfg.chat_template)
+    try:  # the model's vocabulary size (ids at or above it index past the embedding); else the tokenizer's
+        vocab_size = get_train_spec(job_config.model.name).model_args[job_config.model.flavor].vocab_size
+    except (KeyError, ValueError, AttributeError):
+        vocab_size = tokenizer.get_vocab_size()
+    encoder = Encoder(tokenizer, vocab_size, training.seq_len, cfg.chat_template)
     pad_id = tokenizer.eos_id if tokenizer.eos_id is not None else 0
 
     def batching(group_size: int, available: int, what: str, sampled: bool = False) -> tuple[BatchPlan, Collate]:
