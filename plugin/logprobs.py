@@ -127,6 +127,22 @@ def local_chunk(batch: int, local_len: int, seq_shards: int, chunk_size: int = 0
     return batch * local_len
 
 
+def _token_layout(hidden: torch.Tensor, labels: torch.Tensor, seq_shards: int, chunk_size: int, chunk_tokens: int):
+    """This rank's n tokens, its tokens per chunk k, and the [S, n] positions in the flattened [B, T] labels.
+
+    This rank's B sequence shards are one sequence of n tokens, so a chunk counts tokens, not
+    positions. Under sequence parallelism, giving each rank's tokens [c, c+k) to the output layer
+    yields logits for tokens [c, c+k) of every rank, rank-major; the positions are laid out the same way.
+    """
+    B, T = labels.shape
+    S, T_local = seq_shards, hidden.shape[1]
+    if T_local * S != T:
+        raise ValueError(f"hidden has {T_local} positions per rank; labels need {T} / {S}")
+    n = B * T_local
+    index_by_shard = torch.arange(B * T, device=labels.device).view(B, S, T_local).transpose(0, 1).reshape(S, n)
+    return n, local_chunk(B, T_local, S, chunk_size, chunk_tokens), index_by_shard
+
+
 def chunked_logprobs(
     hidden: torch.Tensor,
     labels: torch.Tensor,
@@ -157,15 +173,9 @@ def chunked_logprobs(
     """
     B, T = labels.shape
     S, T_local = seq_shards, hidden.shape[1]
-    if T_local * S != T:
-        raise ValueError(f"hidden has {T_local} positions per rank; labels need {T} / {S}")
-    # This rank's B sequence shards as one sequence of n tokens, so a chunk counts tokens, not
-    # positions. Under sequence parallelism, giving each rank's tokens [c, c+k) to the output layer
-    # yields logits for tokens [c, c+k) of every rank, rank-major; the labels are laid out the same way.
-    n = B * T_local
+    n, k, index_by_shard = _token_layout(hidden, labels, S, chunk_size, chunk_tokens)
     flat_hidden = hidden.reshape(1, n, hidden.shape[-1])  # [1, n, D]
-    labels_by_shard = labels.view(B, S, T_local).transpose(0, 1).reshape(S, n)  # [S, n]
-    k = local_chunk(B, T_local, S, chunk_size, chunk_tokens)
+    labels_by_shard = labels.view(-1)[index_by_shard]  # [S, n]
     # with several chunks, recompute each in backward so its logits are freed after its forward
     recompute = torch.is_grad_enabled() and k < n
     logprobs, entropy = [], []
@@ -211,13 +221,10 @@ class _FusedChunks(torch.autograd.Function):
 VOCAB_BLOCK = 4096  # output-layer rows per block: a chunk's temporaries are [tokens, VOCAB_BLOCK], whatever V
 
 
-def _block_logits(x, w, temperature):
-    return _scaled(x @ w.T, temperature)  # [N, Vb] fp32
-
-
-def _block_stats(x, w, index, m, s, u, picked, temperature):
-    """One vocab block into the running max `m`, sum of exp `s`, sum of exp * logit `u` and label logit, per token."""
-    z = _block_logits(x, w, temperature)
+def _block_stats(z, index, m, s, u, picked, temperature):
+    """One vocab block's logits `z` [N, Vb] into the running max `m`, sum of exp `s`, sum of exp * logit `u` and
+    label logit, per token."""
+    z = _scaled(z, temperature)
     m_new = torch.maximum(m, z.amax(-1))
     e = torch.exp(z - m_new[:, None])
     scale = torch.exp(m - m_new)
@@ -226,16 +233,109 @@ def _block_stats(x, w, index, m, s, u, picked, temperature):
     return m_new, s * scale + e.sum(-1), u * scale + (e * z).sum(-1), torch.where(hit, label_logit, picked)
 
 
-def _block_grad(x, w, index, lse, entropy, d_logprob, d_entropy, temperature):
-    """d loss / d logits of one vocab block, in the weight's dtype, from the loss's per-token derivatives."""
-    z = _block_logits(x, w, temperature)
-    logp = z - lse[:, None]
+def _block_grad(z, index, lse, entropy, d_logprob, d_entropy, temperature):
+    """d loss / d logits of one vocab block, in the logits' dtype, from the loss's per-token derivatives."""
+    logp = _scaled(z, temperature) - lse[:, None]
     p = logp.exp()
     # d logprob / dz = onehot - p; d entropy / dz = -p * (log p + H)
     dz = -p * (d_logprob[:, None] + d_entropy[:, None] * (logp + entropy[:, None]))
     hit = (index >= 0) & (index < z.shape[1])
     dz = dz.scatter_add(1, index.clamp(0, z.shape[1] - 1)[:, None], torch.where(hit, d_logprob, 0.0)[:, None])
-    return (dz / temperature).to(w.dtype)
+    return (dz / temperature).to(z.dtype)
+
+
+class _Vocab:
+    """The output layer's weight [V, D] as blocks of this rank's rows (its Shard(0) under TP), and the TP group."""
+
+    def __init__(self, weight: torch.Tensor, vocab_block: int, temperature: float, compiled: bool, backend: str):
+        self.sharded = isinstance(weight, DTensor)
+        self.w = weight.to_local() if self.sharded else weight  # [V / S, D]
+        self.group = weight.device_mesh.get_group() if self.sharded else None
+        # DTensor's Shard(0): ceil(V / S) rows a rank, the last ranks' fewer
+        self.offset = weight.device_mesh.get_local_rank() * -(-weight.shape[0] // weight.device_mesh.size()) \
+            if self.sharded else 0
+        self.blocks = [(v, self.w[v : v + vocab_block]) for v in range(0, self.w.shape[0], vocab_block)]
+        self.temperature = temperature
+        self.block_stats, self.block_grad = (maybe_compiled(f, compiled, backend) for f in (_block_stats, _block_grad))
+        self.buffer = None
+
+    def logits(self, x: torch.Tensor, w_b: torch.Tensor) -> torch.Tensor:
+        """x @ w_b.T [N, Vb], into one buffer that every block reuses: on CPU glibc may map and page-fault a
+        fresh allocation of this size each time (always under the benchmarks' MALLOC_MMAP_THRESHOLD_)."""
+        size = x.shape[0] * w_b.shape[0]
+        if self.buffer is None or self.buffer.numel() < size:
+            self.buffer = torch.empty(size, dtype=torch.promote_types(x.dtype, w_b.dtype), device=x.device)
+        return torch.mm(x, w_b.T, out=self.buffer[:size].view(x.shape[0], w_b.shape[0]))
+
+    def stats(self, x: torch.Tensor, label: torch.Tensor):
+        """[N] log-sum-exp, log-probs of `label` (0 at IGNORE_INDEX) and entropies over the whole vocabulary.
+
+        A running log-sum-exp over this rank's blocks, then across TP ranks, which exchange
+        only [N]-sized statistics, the reductions loss_parallel makes.
+        """
+        N = x.shape[0]
+        m = torch.full((N,), float("-inf"), device=x.device)
+        s, u, picked = torch.zeros(3, N, device=x.device)
+        for v, w_b in self.blocks:
+            m, s, u, picked = self.block_stats(self.logits(x, w_b), label - self.offset - v, m, s, u, picked,
+                                               self.temperature)
+        if self.group is not None:
+            m_all = m.clone()
+            torch.distributed.all_reduce(m_all, torch.distributed.ReduceOp.MAX, group=self.group)
+            # a label's logit is on one rank, 0 on the others
+            sums = torch.cat([torch.stack([s, u]) * torch.exp(m - m_all), picked[None]])
+            torch.distributed.all_reduce(sums, group=self.group)
+            m, (s, u, picked) = m_all, sums
+        lse = m + s.log()
+        return lse, torch.where(label == IGNORE_INDEX, 0.0, picked - lse), lse - u / s
+
+    def logit_grads(self, x, label, lse, entropy, d_logprob, d_entropy):
+        """(first row, weight block, d loss / d logits [N, Vb] in the weight's dtype) of each block."""
+        for v, w_b in self.blocks:
+            yield v, w_b, self.block_grad(self.logits(x, w_b), label - self.offset - v, lse, entropy, d_logprob,
+                                          d_entropy, self.temperature)
+
+
+def _head_input(norm: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """norm(h) [1, k, D] as the output layer's input: under TP the whole chunk on every rank."""
+    x = norm(h)  # Shard(1) under TP
+    if isinstance(x, DTensor):
+        # each rank's part of its gradient covers that rank's vocab shard, and the ranks' parts add up
+        x = x.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+    return x
+
+
+@torch.no_grad()
+def blocked_logprobs(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    norm: torch.nn.Module,
+    weight: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 0,
+    chunk_tokens: int = 0,
+    seq_shards: int = 1,
+    compiled: bool = False,
+    backend: str = "inductor",
+    with_entropy: bool = True,
+    vocab_block: int = VOCAB_BLOCK,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """chunked_logprobs without gradients (the reference's pass), each chunk's logits made `vocab_block` rows at a time.
+
+    Its temporaries are [tokens, vocab_block], whatever V. The head is `norm` and a bias-free
+    output layer of `weight`, as fused_chunked_loss's; other arguments as chunked_logprobs'.
+    """
+    B, T = labels.shape
+    n, k, index_by_shard = _token_layout(hidden, labels, seq_shards, chunk_size, chunk_tokens)
+    vocab = _Vocab(weight, vocab_block, temperature, compiled, backend)
+    flat_hidden = hidden.reshape(1, n, hidden.shape[-1])  # [1, n, D]
+    logprobs, entropy = torch.zeros(2, B * T, device=labels.device)
+    for start in range(0, n, k):
+        index = index_by_shard[:, start : start + k].reshape(-1)  # [S * k] positions in [B * T]
+        x = _head_input(norm, flat_hidden[:, start : start + k])
+        _, logprobs[index], entropy[index] = vocab.stats(x.view(-1, x.shape[-1]), labels.view(-1)[index])
+    return logprobs.view(B, T), entropy.view(B, T) if with_entropy else None
 
 
 def fused_chunked_loss(
@@ -259,75 +359,43 @@ def fused_chunked_loss(
     The head is `norm` (hidden -> the output layer's input) and a bias-free output layer of
     `weight` [V, D], a Shard(0) DTensor under TP. A chunk's logits are made `vocab_block` rows
     of the weight (of this rank's shard under TP) at a time, twice: a running log-sum-exp with
-    the entropy's sum of p * logit, then d loss / d logits, each block's gradients for the
-    weight and the output layer's input taken as it goes. Across TP ranks only [N]-sized
-    statistics are all-reduced, the reductions loss_parallel makes. Nothing is recomputed in
-    backward. The loss must be a sum of per-token terms: `token_loss(logprobs, entropy, index)`
-    gets a chunk's [N] log-probs and entropies and their [N] positions in the flattened [B, T]
-    labels, and returns their loss sum.
+    the entropy's sum of p * logit (as blocked_logprobs), then d loss / d logits, each block's
+    gradients for the weight and the output layer's input taken as it goes. Nothing is
+    recomputed in backward. The loss must be a sum of per-token terms: `token_loss(logprobs,
+    entropy, index)` gets a chunk's [N] log-probs and entropies and their [N] positions in the
+    flattened [B, T] labels, and returns their loss sum.
 
     Returns the loss (differentiable to `hidden`, `norm`'s parameters and `weight`) and detached
     [B, T] log-probs and entropies. Arguments as chunked_logprobs'.
     """
     B, T = labels.shape
-    S, T_local = seq_shards, hidden.shape[1]
-    if T_local * S != T:
-        raise ValueError(f"hidden has {T_local} positions per rank; labels need {T} / {S}")
-    n = B * T_local
-    # the token layout of chunked_logprobs: this rank's B sequence shards as one sequence, rank-major chunks
-    index_by_shard = torch.arange(B * T, device=labels.device).view(B, S, T_local).transpose(0, 1).reshape(S, n)
-    k = local_chunk(B, T_local, S, chunk_size, chunk_tokens)
+    n, k, index_by_shard = _token_layout(hidden, labels, seq_shards, chunk_size, chunk_tokens)
     params = [*(p for p in norm.parameters() if p.requires_grad), weight]
-    stats, block_grad = (maybe_compiled(f, compiled, backend) for f in (_block_stats, _block_grad))
-    sharded = isinstance(weight, DTensor)
-    w = weight.to_local() if sharded else weight  # [V / S, D]
-    group = weight.device_mesh.get_group() if sharded else None
-    # DTensor's Shard(0): ceil(V / S) rows a rank, the last ranks' fewer
-    offset = weight.device_mesh.get_local_rank() * -(-weight.shape[0] // S) if sharded else 0
-    blocks = [(v, w[v : v + vocab_block]) for v in range(0, w.shape[0], vocab_block)]
+    vocab = _Vocab(weight, vocab_block, temperature, compiled, backend)
 
     def run(hidden):
         flat_hidden = hidden.detach().reshape(1, n, hidden.shape[-1])  # [1, n, D]
         grad_hidden = torch.zeros_like(flat_hidden)
         grads = [None] * (len(params) - 1)
-        grad_w = torch.zeros_like(w)
+        grad_w = torch.zeros_like(vocab.w)
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        logprobs, entropy = torch.zeros(B * T, device=labels.device), torch.zeros(B * T, device=labels.device)
+        logprobs, entropy = torch.zeros(2, B * T, device=labels.device)
         for start in range(0, n, k):
             h_c = flat_hidden[:, start : start + k].requires_grad_()
             index = index_by_shard[:, start : start + k].reshape(-1)  # [S * k] positions in [B * T]
             label = labels.view(-1)[index]
             with torch.enable_grad():
-                x = norm(h_c)  # [1, k, D], Shard(1) under TP
-                if isinstance(x, DTensor):
-                    # the output layer's input is the whole chunk, replicated; each rank's part of its
-                    # gradient covers that rank's vocab shard, and the ranks' parts add up
-                    x = x.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+                x = _head_input(norm, h_c)
             x_c = x.detach().view(-1, x.shape[-1])  # [N, D]
-            N = x_c.shape[0]
-            m = torch.full((N,), float("-inf"), device=x_c.device)
-            s, u, picked = torch.zeros(3, N, device=x_c.device)
-            for v, w_b in blocks:
-                m, s, u, picked = stats(x_c, w_b, label - offset - v, m, s, u, picked, temperature)
-            if group is not None:
-                m_all = m.clone()
-                torch.distributed.all_reduce(m_all, torch.distributed.ReduceOp.MAX, group=group)
-                # a label's logit is on one rank, 0 on the others
-                sums = torch.cat([torch.stack([s, u]) * torch.exp(m - m_all), picked[None]])
-                torch.distributed.all_reduce(sums, group=group)
-                m, (s, u, picked) = m_all, sums
-            lse = m + s.log()
-            ignored = label == IGNORE_INDEX
-            lp = torch.where(ignored, 0.0, picked - lse).requires_grad_()
-            ent = (lse - u / s).requires_grad_()
+            lse, lp, ent = vocab.stats(x_c, label)
+            lp, ent = lp.requires_grad_(), ent.requires_grad_()
             with torch.enable_grad():
                 loss_c = token_loss(lp, ent if entropy_grad else ent.detach(), index)
             d_lp, d_ent = torch.autograd.grad(loss_c, [lp, ent], allow_unused=True, materialize_grads=True)
-            d_lp = torch.where(ignored, 0.0, d_lp)
+            d_lp = torch.where(label == IGNORE_INDEX, 0.0, d_lp)
             grad_x = torch.zeros_like(x_c, dtype=torch.float32)
-            for v, w_b in blocks:
-                g = block_grad(x_c, w_b, label - offset - v, lse, ent.detach(), d_lp, d_ent, temperature)  # [N, Vb]
-                grad_x += g @ w_b
+            for v, w_b, g in vocab.logit_grads(x_c, label, lse, ent.detach(), d_lp, d_ent):
+                grad_x += g @ w_b  # g: [N, Vb]
                 grad_w[v : v + w_b.shape[0]].addmm_(g.T, x_c)
             g_h, *g_norm = torch.autograd.grad(x, [h_c, *params[:-1]], grad_x.to(x.dtype).view_as(x))
             grad_hidden[:, start : start + k] = g_h
@@ -335,7 +403,7 @@ def fused_chunked_loss(
             grads = [g if acc is None else acc + g for acc, g in zip(grads, g_norm)]
             loss += loss_c.detach()
             logprobs[index], entropy[index] = lp.detach(), ent.detach()
-        if sharded:
+        if vocab.sharded:
             grad_w = DTensor.from_local(grad_w, weight.device_mesh, weight.placements, shape=weight.shape,
                                         stride=weight.stride())
         return loss, grad_hidden.view_as(hidden), [*grads, grad_w], logprobs.view(B, T), entropy.view(B, T)

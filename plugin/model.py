@@ -23,7 +23,8 @@ from torchtitan.tools.logging import logger
 
 from . import cpu
 from .config import compiles_loss
-from .logprobs import chunk_tokens_for, chunked_logprobs, fused_chunked_loss, isolate_compile_cache, local_chunk
+from .logprobs import blocked_logprobs, chunk_tokens_for, chunked_logprobs, fused_chunked_loss, isolate_compile_cache, \
+    local_chunk
 from .loss import token_terms_fn
 from .metrics import GRPOStats
 from .reference import Reference
@@ -109,12 +110,16 @@ class GRPOModel:
         """[B, T] log-probs of `labels` and entropies (None when scoring.entropy is off) under this model."""
         cfg = self.scoring
         hidden = self.hidden_states(tokens, **kwargs)
+        common = dict(temperature=cfg.temperature, chunk_size=cfg.chunk_size, chunk_tokens=cfg.chunk_tokens,
+                      seq_shards=cfg.seq_shards, compiled=cfg.compile, backend=cfg.compile_backend,
+                      with_entropy=cfg.entropy)
+        if not torch.is_grad_enabled():  # the reference's pass: vocab blocks, as the fused policy pass
+            with head_weight(self) as weight:
+                return blocked_logprobs(hidden, labels, self.norm, weight, **common)
         B, T_local = hidden.shape[:2]
         chunked = local_chunk(B, T_local, cfg.seq_shards, cfg.chunk_size, cfg.chunk_tokens) < B * T_local
         with head_comms_once(self, chunked=chunked) as head:
-            return chunked_logprobs(hidden, labels, head, temperature=cfg.temperature, chunk_size=cfg.chunk_size,
-                                    chunk_tokens=cfg.chunk_tokens, seq_shards=cfg.seq_shards, compiled=cfg.compile, backend=cfg.compile_backend,
-                                    entropy_grad=cfg.entropy_grad, with_entropy=cfg.entropy)
+            return chunked_logprobs(hidden, labels, head, entropy_grad=cfg.entropy_grad, **common)
 
     def fused_loss(self, tokens: torch.Tensor, labels: torch.Tensor, r, ref_logprobs: torch.Tensor | None,
                    **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -134,7 +139,7 @@ class GRPOModel:
                                     r.advantages[row], r.loss_weights[row], mask[index][:, None], entropy[:, None])
             return terms.loss.sum()
 
-        with head_for_fused_pass(self) as weight:
+        with head_weight(self) as weight:
             return fused_chunked_loss(hidden, labels, self.norm, weight, token_loss, temperature=cfg.temperature,
                                       chunk_size=cfg.chunk_size, chunk_tokens=cfg.chunk_tokens,
                                       seq_shards=cfg.seq_shards, compiled=cfg.compile, backend=cfg.compile_backend,
@@ -204,13 +209,12 @@ class _HeadSyncOnBackward(torch.autograd.Function):
 
 @contextmanager
 def head_comms_once(model: nn.Module, chunked: bool):
-    """The head (final norm + output layer) to score chunks with, all-gathered and reduce-scattered once.
+    """The head (final norm + output layer) to score chunks with grad, all-gathered and reduce-scattered once.
 
     torchtitan gives [norm, output] (with tied weights also the embedding) one FSDP group.
-    Called once per chunk, the group would reshard after every chunk's forward (the
-    reference) or post-backward (the policy), and all-gather again for the next chunk's
-    forward or recompute, with one reduce-scatter per chunk: here it stays gathered over the
-    chunks, and the chunks' gradients are reduce-scattered together.
+    Called once per chunk, the group would reshard after every chunk's post-backward and
+    all-gather again for the next chunk's recompute, with one reduce-scatter per chunk: here it
+    stays gathered over the chunks, and the chunks' gradients are reduce-scattered together.
     """
     group = model.output if isinstance(model.output, FSDPModule) else None
     if group is None or not chunked:
@@ -221,34 +225,32 @@ def head_comms_once(model: nn.Module, chunked: bool):
     def head(h: torch.Tensor) -> torch.Tensor:
         nonlocal first
         logits = model.output(model.norm(h))
-        if first and torch.is_grad_enabled():
+        if first:
             logits = _HeadSyncOnBackward.apply(logits, group)
         first = False
         return logits
 
-    reshard_after_forward = model.scoring.head_reshard_after_forward
     group.set_reshard_after_forward(False, recurse=False)
-    if torch.is_grad_enabled():
-        # until the first chunk's backward: accumulate unsharded, keep the head gathered
-        group.set_requires_gradient_sync(False, recurse=False)
-        group.set_reshard_after_backward(False, recurse=False)
+    # until the first chunk's backward: accumulate unsharded, keep the head gathered
+    group.set_requires_gradient_sync(False, recurse=False)
+    group.set_reshard_after_backward(False, recurse=False)
     try:
         yield head
     finally:
-        group.set_reshard_after_forward(reshard_after_forward, recurse=False)
-        if reshard_after_forward and not torch.is_grad_enabled():
-            group.reshard()
+        group.set_reshard_after_forward(model.scoring.head_reshard_after_forward, recurse=False)
 
 
 @contextmanager
-def head_for_fused_pass(model: nn.Module):
-    """The output layer's weight for [grpo] fused_policy_pass, which runs the head's backward inside forward.
+def head_weight(model: nn.Module):
+    """The output layer's weight, for the passes that make the head's logits themselves in vocab blocks.
 
-    Under FSDP the head's parameters are unsharded, all-gathered once. FSDP would take the pass's
-    backward for the step's (prefetches, a final callback that ends the iteration mid-forward),
-    so its hooks stay quiet as they do while it recomputes a group for activation checkpointing.
-    The fused pass's backward hands the gradients to the unsharded parameters, and the root's
-    post-backward callback reduce-scatters them, as for a group no autograd node led back to.
+    Those are [grpo] fused_policy_pass, which runs the head's backward inside forward, and the
+    reference's. Under FSDP the head's parameters are unsharded, all-gathered once. FSDP would
+    take the fused pass's backward for the step's (prefetches, a final callback that ends the
+    iteration mid-forward), so its hooks stay quiet as they do while it recomputes a group for
+    activation checkpointing. The fused pass's backward hands the gradients to the unsharded
+    parameters, and the root's post-backward callback reduce-scatters them, as for a group no
+    autograd node led back to.
     """
     group = model.output if isinstance(model.output, FSDPModule) else None
     if group is not None:
@@ -296,8 +298,7 @@ def build_grpo_parallelize_fn(base_parallelize: Callable) -> Callable:
         )
         model.grpo_stats = GRPOStats(job_config.grpo.on_nonfinite)
         if reference is not None:
-            reference.module.scoring = ScoringConfig(compile=job_config.reference_model.compile, entropy=False,
-                                                     head_reshard_after_forward=True, **common)
+            reference.module.scoring = ScoringConfig(compile=job_config.reference_model.compile, entropy=False, **common)
             model.reference = reference
         if job_config.online.enable:
             from .online import attach

@@ -7,6 +7,8 @@
    loss_parallel, against an fp64 reference of the same per-token loss and against one block.
 3. FSDP=2 (model level, 2 gloo ranks): every aggregation mode with gradient accumulation, tied
    weights, the head resharded after forward, and bf16 parameters, against today's path.
+4. blocked_logprobs, the reference's pass in the same vocab blocks: log-probs and entropies against
+   chunked_logprobs on one rank (eager and compiled) and against fp64 at TP=2.
 """
 
 import pytest
@@ -17,7 +19,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from conftest import build_model, run_ranks
 from plugin.data import Rollouts, loss_weights
-from plugin.logprobs import chunked_logprobs, compute_logprobs_and_entropy, fused_chunked_loss
+from plugin.logprobs import blocked_logprobs, chunked_logprobs, compute_logprobs_and_entropy, fused_chunked_loss
 from test_logprobs import (
     SAME_TOL,
     TOL,
@@ -175,6 +177,36 @@ def test_fused_vocab_blocks(vocab_block, chunk_tokens):
         torch.testing.assert_close(p.grad, want, **SAME_TOL["grad"], msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("vocab_block", VOCAB_BLOCKS)
+@pytest.mark.parametrize("chunk_tokens", [0, 13])
+def test_blocked_logprobs(vocab_block, chunk_tokens):
+    """The reference's pass in vocab blocks: chunked_logprobs' log-probs (0 at ignored labels) and entropies."""
+    Tn, V, temperature = 47, 1271, 0.7
+    head, hidden, labels = Head(16, V), make_hidden(Tn), make_labels(Tn, V)
+    with torch.no_grad():
+        want_lp, want_ent = chunked_logprobs(hidden, labels, head, temperature=temperature)
+    logprobs, entropy = blocked_logprobs(hidden, labels, head.norm, head.output.weight, temperature=temperature,
+                                         chunk_tokens=chunk_tokens, vocab_block=vocab_block)
+    assert not logprobs.requires_grad and (logprobs[labels == -100] == 0).all()
+    torch.testing.assert_close(logprobs, want_lp, **SAME_TOL["value"])
+    torch.testing.assert_close(entropy, want_ent, **SAME_TOL["value"])
+    only_logprobs, none = blocked_logprobs(hidden, labels, head.norm, head.output.weight, temperature=temperature,
+                                           chunk_tokens=chunk_tokens, vocab_block=vocab_block, with_entropy=False)
+    assert none is None and torch.equal(only_logprobs, logprobs)
+
+
+def test_blocked_logprobs_compiled(tmp_path, monkeypatch):
+    """Compiled (an uneven last block, so two block shapes), the same values as eager."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    Tn, V = 47, 1271
+    head, hidden, labels = Head(16, V), make_hidden(Tn), make_labels(Tn, V)
+    args = (hidden, labels, head.norm, head.output.weight)
+    want = blocked_logprobs(*args, chunk_tokens=13, vocab_block=100)
+    got = blocked_logprobs(*args, chunk_tokens=13, vocab_block=100, compiled=True)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **SAME_TOL["value"])
+
+
 FSDP_CASES = {  # every case accumulates two microbatches, with an entropy bonus
     **{mode: (mode,) for mode in ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "fixed_horizon"]},
     "tied": ("token_mean", "--model.name", "grpo_qwen3"),
@@ -262,8 +294,20 @@ def _tp_fused(rank, world_size, out_dir):
             assert isinstance(p.grad, DTensor), name
             close(p.grad.full_tensor(), ref.grad, TOL[torch.float32]["grad"], f"{what}: d/d {name}.weight")
 
+    def check_blocked(chunk_tokens, vocab_block):
+        head = _tp_head(mesh, V)
+        logprobs, entropy = blocked_logprobs(hidden[:, local], labels, head.norm, head.output.weight,
+                                             temperature=temperature, chunk_tokens=chunk_tokens, seq_shards=2,
+                                             vocab_block=vocab_block)
+        full = lambda p: p.full_tensor().double()  # noqa: E731
+        logits = ref_head(hidden.double(), full(head.norm.weight), full(head.output.weight), head.norm.eps)
+        what = f"TP=2 blocked chunk_tokens={chunk_tokens} vocab_block={vocab_block}"
+        close(logprobs, ref_logprobs(logits, labels, temperature), TOL[torch.float32]["value"], f"{what}: log-probs")
+        close(entropy, ref_entropy(logits, temperature), TOL[torch.float32]["value"], f"{what}: entropy")
+
     for chunk_tokens, vocab_block in TP_CASES:
         checks.run(f"fused_{chunk_tokens}_{vocab_block}", check, chunk_tokens, vocab_block)
+        checks.run(f"blocked_{chunk_tokens}_{vocab_block}", check_blocked, chunk_tokens, vocab_block)
     checks.save()
 
 
@@ -279,6 +323,12 @@ def test_fused_tp2(tp_fused, chunk_tokens, vocab_block):
     """Vocab-sharded weight under loss_parallel, uneven vocab: loss and gradients (hidden, norm, output) match
     fp64 in one block; in several (an uneven last one), log-probs, entropies and gradients match one block's."""
     assert_check_passed(tp_fused, f"fused_{chunk_tokens}_{vocab_block}")
+
+
+@pytest.mark.parametrize("chunk_tokens, vocab_block", TP_CASES)
+def test_blocked_tp2(tp_fused, chunk_tokens, vocab_block):
+    """The reference's pass on the vocab-parallel head, uneven vocab and blocks: log-probs and entropies match fp64."""
+    assert_check_passed(tp_fused, f"blocked_{chunk_tokens}_{vocab_block}")
 
 
 @pytest.mark.parametrize("nproc, tp, replicate", [(1, 1, 1), (2, 2, 1), (2, 1, 1), (4, 2, 1), (4, 1, 2)],
