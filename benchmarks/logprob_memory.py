@@ -45,7 +45,8 @@ class Variant:
     gather: bool  # full_tensor() the vocab-sharded logits, then plain log-probs
     chunked: bool
     compiled: bool
-    fused: bool = False  # policy: plugin.logprobs.fused_chunked_loss, each chunk's backward run in forward
+    # policy: plugin.logprobs.fused_chunked_loss, each chunk's backward run in forward; reference: blocked_logprobs
+    fused: bool = False
     liger: bool = False  # policy, TP=1: Liger-Kernel's LigerFusedLinearGRPOLoss (optional, see benchmarks/README.md)
 
 
@@ -192,7 +193,7 @@ def worker(args) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from plugin.logprobs import chunked_logprobs, fused_chunked_loss, isolate_compile_cache
+    from plugin.logprobs import blocked_logprobs, chunked_logprobs, fused_chunked_loss, isolate_compile_cache
 
     variant, pass_ = VARIANTS[args.variant_list[0]], args.pass_list[0]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -255,6 +256,13 @@ def worker(args) -> None:
                     **({"vocab_block": args.vocab_block} if args.vocab_block else {}),
                 )
                 loss.backward()
+                return logprobs
+            if variant.fused:  # the reference's pass in the same vocab blocks, as plugin.model's
+                logprobs, _ = blocked_logprobs(
+                    hidden, labels, head.norm, head.output.weight, temperature=args.temperature, chunk_size=chunk,
+                    seq_shards=tp, compiled=variant.compiled, with_entropy=False,
+                    **({"vocab_block": args.vocab_block} if args.vocab_block else {}),
+                )
                 return logprobs
             # the reference pass computes no entropy, as plugin.reference's
             logprobs, entropy = chunked_logprobs(
