@@ -47,7 +47,9 @@ class Variant:
     compiled: bool
     # policy: plugin.logprobs.fused_chunked_loss, each chunk's backward run in forward; reference: blocked_logprobs
     fused: bool = False
-    liger: bool = False  # policy, TP=1: Liger-Kernel's LigerFusedLinearGRPOLoss (optional, see benchmarks/README.md)
+    # TP=1: Liger-Kernel's LigerFusedLinearGRPOLoss (policy) or the reference log-probs it computes (optional, see
+    # benchmarks/README.md)
+    liger: bool = False
 
 
 VARIANTS = {
@@ -213,8 +215,8 @@ def worker(args) -> None:
     B, T, tp, dtype = args.batch, args.seq, world, getattr(torch, args.dtype)
     if T % tp:
         raise ValueError(f"--seq {T} must be divisible by --tp {tp}")
-    if variant.liger and (tp > 1 or pass_ != "policy"):
-        raise ValueError("liger: LigerFusedLinearGRPOLoss is a policy pass at TP=1 only (--tp 1 --passes policy)")
+    if variant.liger and tp > 1:
+        raise ValueError("liger: Liger-Kernel's GRPO loss takes a plain weight, so TP=1 only (--tp 1)")
     head = build_head(args, None if variant.liger else mesh, device)
     policy = pass_ == "policy"
     torch.manual_seed(1 + rank)
@@ -231,6 +233,16 @@ def worker(args) -> None:
         if fake:
             fake_oom(fake, f"{args.variant_list[0]}/{pass_}")
         # loss_parallel's backward must run inside the context too
+        if variant.liger and not policy:
+            from liger_kernel.chunked_loss.fused_linear_ppo import LigerFusedLinearPPOBase
+
+            # Liger's reference log-probs, as its GRPO loss computes them with use_ref_model: one
+            # sequence a chunk (its chunk_size=1), under no_grad
+            with torch.no_grad():
+                x = head.norm(hidden)
+                return torch.cat([LigerFusedLinearPPOBase.chunk_forward(x[b : b + 1], head.output.weight,
+                                                                        labels[b : b + 1], temperature=args.temperature)
+                                  for b in range(B)])
         if variant.liger:
             from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
@@ -404,7 +416,8 @@ def add_diffs(rows: list[dict]) -> None:
            for r in rows if r["variant"] == "gather" and r["status"] == OK}
     for r in rows:
         base = ref.get((r["pass_"], r["seq"]))
-        ok = base is not None and r["status"] == OK and r["variant"] != "liger"
+        # Liger's policy pass returns no log-probs
+        ok = base is not None and r["status"] == OK and (r["variant"] != "liger" or r["pass_"] == "reference")
         r["max_abs_diff_vs_gather"] = (torch.load(r["logprobs"]) - base).abs().max().item() if ok else ""
 
 
