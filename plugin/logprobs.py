@@ -222,15 +222,16 @@ VOCAB_BLOCK = 4096  # output-layer rows per block: a chunk's temporaries are [to
 
 
 def _block_stats(z, index, m, s, u, picked, temperature):
-    """One vocab block's logits `z` [N, Vb] into the running max `m`, sum of exp `s`, sum of exp * logit `u` and
-    label logit, per token."""
+    """One vocab block's logits `z` [N, Vb] into the running max `m`, sum of exp `s`, sum of exp * logit `u` (the
+    entropy's; None: not computed) and label logit, per token."""
     z = _scaled(z, temperature)
     m_new = torch.maximum(m, z.amax(-1))
     e = torch.exp(z - m_new[:, None])
     scale = torch.exp(m - m_new)
     hit = (index >= 0) & (index < z.shape[1])  # the label is in this block
     label_logit = z.gather(1, index.clamp(0, z.shape[1] - 1)[:, None]).squeeze(1)
-    return m_new, s * scale + e.sum(-1), u * scale + (e * z).sum(-1), torch.where(hit, label_logit, picked)
+    u = None if u is None else u * scale + (e * z).sum(-1)
+    return m_new, s * scale + e.sum(-1), u, torch.where(hit, label_logit, picked)
 
 
 def _block_grad(z, index, lse, entropy, d_logprob, d_entropy, temperature):
@@ -267,27 +268,31 @@ class _Vocab:
             self.buffer = torch.empty(size, dtype=torch.promote_types(x.dtype, w_b.dtype), device=x.device)
         return torch.mm(x, w_b.T, out=self.buffer[:size].view(x.shape[0], w_b.shape[0]))
 
-    def stats(self, x: torch.Tensor, label: torch.Tensor):
-        """[N] log-sum-exp, log-probs of `label` (0 at IGNORE_INDEX) and entropies over the whole vocabulary.
+    def stats(self, x: torch.Tensor, label: torch.Tensor, with_entropy: bool = True):
+        """[N] log-sum-exp, log-probs of `label` (0 at IGNORE_INDEX) and entropies (None without `with_entropy`)
+        over the whole vocabulary.
 
         A running log-sum-exp over this rank's blocks, then across TP ranks, which exchange
         only [N]-sized statistics, the reductions loss_parallel makes.
         """
         N = x.shape[0]
         m = torch.full((N,), float("-inf"), device=x.device)
-        s, u, picked = torch.zeros(3, N, device=x.device)
+        s, picked = torch.zeros(2, N, device=x.device)
+        u = torch.zeros(N, device=x.device) if with_entropy else None
         for v, w_b in self.blocks:
             m, s, u, picked = self.block_stats(self.logits(x, w_b), label - self.offset - v, m, s, u, picked,
                                                self.temperature)
         if self.group is not None:
             m_all = m.clone()
             torch.distributed.all_reduce(m_all, torch.distributed.ReduceOp.MAX, group=self.group)
+            scale = torch.exp(m - m_all)
             # a label's logit is on one rank, 0 on the others
-            sums = torch.cat([torch.stack([s, u]) * torch.exp(m - m_all), picked[None]])
+            sums = torch.stack([picked, s * scale] + ([] if u is None else [u * scale]))
             torch.distributed.all_reduce(sums, group=self.group)
-            m, (s, u, picked) = m_all, sums
+            m, picked, s = m_all, sums[0], sums[1]
+            u = None if u is None else sums[2]
         lse = m + s.log()
-        return lse, torch.where(label == IGNORE_INDEX, 0.0, picked - lse), lse - u / s
+        return lse, torch.where(label == IGNORE_INDEX, 0.0, picked - lse), None if u is None else lse - u / s
 
     def logit_grads(self, x, label, lse, entropy, d_logprob, d_entropy):
         """(first row, weight block, d loss / d logits [N, Vb] in the weight's dtype) of each block."""
@@ -323,6 +328,8 @@ def blocked_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """chunked_logprobs without gradients (the reference's pass), each chunk's logits made `vocab_block` rows at a time.
 
+    Without `with_entropy` nothing of the entropy is computed.
+
     Its temporaries are [tokens, vocab_block], whatever V. The head is `norm` and a bias-free
     output layer of `weight`, as fused_chunked_loss's; other arguments as chunked_logprobs'.
     """
@@ -334,7 +341,9 @@ def blocked_logprobs(
     for start in range(0, n, k):
         index = index_by_shard[:, start : start + k].reshape(-1)  # [S * k] positions in [B * T]
         x = _head_input(norm, flat_hidden[:, start : start + k])
-        _, logprobs[index], entropy[index] = vocab.stats(x.view(-1, x.shape[-1]), labels.view(-1)[index])
+        _, logprobs[index], ent = vocab.stats(x.view(-1, x.shape[-1]), labels.view(-1)[index], with_entropy)
+        if with_entropy:
+            entropy[index] = ent
     return logprobs.view(B, T), entropy.view(B, T) if with_entropy else None
 
 

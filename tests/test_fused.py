@@ -304,6 +304,10 @@ def _tp_fused(rank, world_size, out_dir):
         what = f"TP=2 blocked chunk_tokens={chunk_tokens} vocab_block={vocab_block}"
         close(logprobs, ref_logprobs(logits, labels, temperature), TOL[torch.float32]["value"], f"{what}: log-probs")
         close(entropy, ref_entropy(logits, temperature), TOL[torch.float32]["value"], f"{what}: entropy")
+        only_logprobs, none = blocked_logprobs(hidden[:, local], labels, head.norm, head.output.weight,
+                                               temperature=temperature, chunk_tokens=chunk_tokens, seq_shards=2,
+                                               vocab_block=vocab_block, with_entropy=False)
+        assert none is None and torch.equal(only_logprobs, logprobs), f"{what}: log-probs without the entropy"
 
     for chunk_tokens, vocab_block in TP_CASES:
         checks.run(f"fused_{chunk_tokens}_{vocab_block}", check, chunk_tokens, vocab_block)
