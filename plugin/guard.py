@@ -63,7 +63,7 @@ class NonFiniteGuard:
 
 
 def check_resume_checkpoint(job_config) -> None:
-    """Stop at start-up, naming the step folder, if torchtitan would resume from a checkpoint it cannot load.
+    """Stop at start-up, naming the folder, if torchtitan would resume or start from a checkpoint it cannot load.
 
     torchtitan resumes from the latest step folder of [checkpoint] folder (or load_step). Its
     last save is model-only by default, and DCP then fails deep inside the load with "Missing
@@ -72,7 +72,12 @@ def check_resume_checkpoint(job_config) -> None:
     """
     ckpt = job_config.checkpoint
     folder = os.path.join(job_config.job.dump_folder, ckpt.folder)
-    if not ckpt.enable or not os.path.isdir(folder):
+    if not ckpt.enable:
+        return
+    if not os.path.isdir(folder):  # a first run; torchtitan's error for a wrong initial_load_path names no path
+        if ckpt.initial_load_path and not os.path.isdir(ckpt.initial_load_path):
+            raise ValueError(f"[checkpoint] initial_load_path = {ckpt.initial_load_path!r} is not a folder (from "
+                             f"{os.getcwd()}): run the job whose weights this one starts from first, or fix the path")
         return
     steps = {int(m.group(1)): name for name in os.listdir(folder) if (m := re.fullmatch(r"step-(\d+)", name))}
     loadable = [n for n, name in steps.items() if os.path.isfile(os.path.join(folder, name, ".metadata"))

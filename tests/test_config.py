@@ -95,6 +95,8 @@ def test_choices_are_listed_in_help(capsys):
         (["--parallelism.tensor_parallel_degree", "2", "--compile.enable", "--activation_checkpoint.mode", "full"],
          r"set \[activation_checkpoint\] mode = \"none\""),
         (["--parallelism.context_parallel_degree", "2"], r"context_parallel_degree = 2: context parallelism is not supported"),
+        (["--checkpoint.enable", "--checkpoint.initial_load_path", "outputs/no_such_run/step-60", "--job.dump_folder",
+          "/nonexistent_dump"], r"\[checkpoint\] initial_load_path = 'outputs/no_such_run/step-60' is not a folder"),
     ],
 )
 def test_bad_combinations_name_the_keys(overrides, message):
