@@ -46,9 +46,10 @@ PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x
              "manylinux1_x86_64")
 # Share of --budget per part; a part may also use what the parts before it left unused.
 SHARES = {"setup": 0.06, "logprob": 0.40, "offload": 0.16, "grpo": 0.38}
-# gather first: the baseline of the diff column, and likely a quick OOM; should the part's time run
-# out, the compiled variants (slowest to start) are the ones left out
-VARIANTS = "gather,loss_parallel,chunked,chunked_compiled,loss_parallel_compiled"
+# gather first: the baseline of the diff column, and likely a quick OOM; then the unchunked compiled
+# pass that the fused pass's targets are ratios to, and the fused pass (policy) / blocked pass
+# (reference) that issue 10 built; should the part's time run out, the older chunked ones are left out
+VARIANTS = "gather,loss_parallel_compiled,fused_compiled,chunked_compiled,loss_parallel,chunked"
 
 # Per mode: the log-prob shape (the originating change's, on one GPU), the offload benchmark's
 # model, and the GRPO run's shape.
