@@ -12,7 +12,8 @@ cpu.activate()
 from .data import build_rollout_dataloader  # noqa: E402
 from .loss import build_grpo_loss  # noqa: E402
 from .metrics import build_grpo_metrics_processor  # noqa: E402
-from .model import build_grpo_parallelize_fn, grpo_model_cls  # noqa: E402
+from .model import grpo_model_cls  # noqa: E402
+from .parallelize import build_grpo_parallelize_fn  # noqa: E402
 from .reference import build_grpo_optimizers_fn  # noqa: E402
 
 

@@ -109,10 +109,11 @@ def test_validate_job_runs_once_at_start_up(monkeypatch):
     import plugin.data
     import plugin.loss
     import plugin.model
+    import plugin.parallelize
 
     calls = []
     monkeypatch.setattr(plugin.data, "validate_job", lambda cfg: calls.append(cfg))
-    for module in (plugin.loss, plugin.model):
+    for module in (plugin.loss, plugin.model, plugin.parallelize):
         assert not hasattr(module, "validate_job") and not hasattr(module, "validate")
     cfg = parse()
     plugin.loss.build_grpo_loss(cfg)

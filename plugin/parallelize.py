@@ -1,0 +1,117 @@
+"""The GRPO model's parallelize function: torchtitan's, applied to the policy and its reference alike, with tied
+embedding and output weights kept one parameter under TP and FSDP2."""
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.models.llama3.infra.parallelize import disable_fsdp_gradient_division
+from torchtitan.tools.logging import logger
+
+from . import cpu
+from .config import compiles_loss
+from .logprobs import chunk_tokens_for, isolate_compile_cache
+from .loss import token_terms_fn
+from .metrics import GRPOStats
+from .model import ScoringConfig, ties_weights
+from .reference import Reference
+
+
+def build_grpo_parallelize_fn(base_parallelize: Callable) -> Callable:
+    """Wrap torchtitan's parallelize function: parallelize the policy and its reference alike."""
+
+    def parallelize_grpo(model: nn.Module, parallel_dims, job_config) -> nn.Module:
+        if parallel_dims.tp_enabled and (job_config.compile.enable or job_config.reference_model.compile):
+            isolate_compile_cache(torch.distributed.get_rank())
+
+        def parallelize(module: nn.Module) -> nn.Module:
+            return parallelize_model(base_parallelize, module, parallel_dims, job_config)
+
+        reference = Reference.build(model, parallelize, job_config)  # a copy of the meta-device policy
+        model = parallelize(model)
+        cpu.prepare_parallelized(model)
+        grpo, seq_shards = job_config.grpo, parallel_dims.tp if parallel_dims.tp_enabled else 1
+        common = dict(
+            temperature=grpo.temperature,
+            chunk_size=grpo.logprob_chunk_size,
+            # a chunk's fp32 logits on one rank stay within the budget, whatever the batch size
+            chunk_tokens=grpo.logprob_chunk_tokens or chunk_tokens_for(grpo.logprob_chunk_mib,
+                                                                       model.model_args.vocab_size, seq_shards),
+            seq_shards=seq_shards,
+            compile_backend=job_config.compile.backend,
+        )
+        model.scoring = ScoringConfig(
+            token_terms=token_terms_fn(job_config) if grpo.fused_policy_pass else None,
+            compile=compiles_loss(job_config), entropy_grad=job_config.grpo.entropy_coef > 0,
+            # torchtitan's FSDP policy for the last group: resharded after forward only with "always"
+            head_reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward == "always", **common,
+        )
+        model.grpo_stats = GRPOStats(job_config.grpo.on_nonfinite)
+        if reference is not None:
+            reference.module.scoring = ScoringConfig(compile=job_config.reference_model.compile, entropy=False, **common)
+            model.reference = reference
+        if job_config.online.enable:
+            from .online import attach
+
+            attach(model, parallel_dims)  # the online dataset, built before the model, samples from it
+        return model
+
+    return parallelize_grpo
+
+
+class _WithoutDataParallel:
+    """`parallel_dims` as torchtitan's parallelize function sees it when FSDP is applied by `fully_shard_tied`."""
+
+    fsdp_enabled = dp_replicate_enabled = False
+
+    def __init__(self, parallel_dims):
+        self._parallel_dims = parallel_dims
+
+    def __getattr__(self, name):
+        return getattr(self._parallel_dims, name)
+
+
+def parallelize_model(base_parallelize: Callable, model: nn.Module, parallel_dims, job_config) -> nn.Module:
+    """torchtitan's parallelize function, with tied embedding and output weights kept one parameter.
+
+    TP gives the embedding and the output layer a DTensor parameter each; both are Shard(0) of
+    the same [V, D] weight, so they are tied again before FSDP. torchtitan's FSDP wrapping puts
+    the two in different groups, which FSDP2 rejects for a shared parameter ("use
+    fully_shard([module_a, module_b])"): with tied weights FSDP is applied by fully_shard_tied.
+    """
+    if not ties_weights(model):
+        return base_parallelize(model, parallel_dims, job_config)
+    dp = parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled
+    model = base_parallelize(model, _WithoutDataParallel(parallel_dims) if dp else parallel_dims, job_config)
+    model.output.weight = model.tok_embeddings.weight
+    if dp:
+        fully_shard_tied(model, parallel_dims, job_config)
+    return model
+
+
+def fully_shard_tied(model: nn.Module, parallel_dims, job_config) -> None:
+    """torchtitan's FSDP/HSDP wrapping of a dense model (llama4's apply_fsdp), the embedding joining the head's group."""
+    if not parallel_dims.fsdp_enabled:
+        raise ValueError(
+            "[parallelism] data_parallel_replicate_degree > 1 without data_parallel_shard_degree > 1 (DDP) is not "
+            "supported with tied embedding and output weights: use data_parallel_shard_degree"
+        )
+    training, policy = job_config.training, job_config.parallelism.fsdp_reshard_after_forward
+    mesh = parallel_dims.get_mesh(["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"])
+    mp = MixedPrecisionPolicy(
+        param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
+        reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
+    )
+    config = dict(mesh=mesh, mp_policy=mp)
+    if training.enable_cpu_offload:
+        config["offload_policy"] = CPUOffloadPolicy()
+    for block in model.layers.values():
+        fully_shard(block, **config, reshard_after_forward=policy != "never")
+    # one group for the shared weight; like torchtitan's head group, kept gathered after forward by default
+    fully_shard([model.tok_embeddings, model.norm, model.output], **config, reshard_after_forward=policy == "always")
+    fully_shard(model, **config)
+    disable_fsdp_gradient_division(model)
+    logger.info("Applied FSDP with the tied embedding and output weights in one group")
