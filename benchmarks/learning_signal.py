@@ -73,7 +73,7 @@ def heldout_margins(model: torch.nn.Module, path: Path = HELDOUT) -> np.ndarray:
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
     from plugin.config import GRPO
-    from plugin.data import Collate
+    from plugin.batch import Collate
     from plugin.logprobs import compute_logprobs
     from plugin.rollouts import Encoder, index_rollouts
 

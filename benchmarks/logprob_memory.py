@@ -195,7 +195,8 @@ def worker(args) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from plugin.logprobs import blocked_logprobs, chunked_logprobs, fused_chunked_loss, isolate_compile_cache
+    from plugin.internals import isolate_compile_cache
+    from plugin.logprobs import VOCAB_BLOCK, Scoring, blocked_logprobs, chunked_logprobs, fused_chunked_loss
 
     variant, pass_ = VARIANTS[args.variant_list[0]], args.pass_list[0]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -254,6 +255,9 @@ def worker(args) -> None:
             loss.backward()
             return torch.zeros(B, T)  # Liger returns no log-probs: no diff column
         with nullcontext() if variant.gather else loss_parallel(), torch.set_grad_enabled(policy):
+            scoring = Scoring(temperature=args.temperature, chunk_size=chunk, seq_shards=tp, compiled=variant.compiled,
+                              with_entropy=policy, entropy_grad=policy and args.entropy_bonus > 0,
+                              vocab_block=args.vocab_block or VOCAB_BLOCK)
             if variant.fused and policy:
                 # the same loss, per token: -(A * logprob) / (B * T), minus the bonus's share of the mean entropy
                 adv_tokens = advantages.expand(B, T).reshape(-1)
@@ -262,26 +266,14 @@ def worker(args) -> None:
                     loss = -(adv_tokens[index] * lp).sum() / (B * T)
                     return loss - args.entropy_bonus * ent.sum() / (B * T) if args.entropy_bonus > 0 else loss
 
-                loss, logprobs, _ = fused_chunked_loss(
-                    hidden, labels, head.norm, head.output.weight, token_loss, temperature=args.temperature,
-                    chunk_size=chunk, seq_shards=tp, compiled=variant.compiled, entropy_grad=args.entropy_bonus > 0,
-                    **({"vocab_block": args.vocab_block} if args.vocab_block else {}),
-                )
+                loss, logprobs, _ = fused_chunked_loss(hidden, labels, head.norm, head.output.weight, token_loss, scoring)
                 loss.backward()
                 return logprobs
             if variant.fused:  # the reference's pass in the same vocab blocks, as plugin.model's
-                logprobs, _ = blocked_logprobs(
-                    hidden, labels, head.norm, head.output.weight, temperature=args.temperature, chunk_size=chunk,
-                    seq_shards=tp, compiled=variant.compiled, with_entropy=False,
-                    **({"vocab_block": args.vocab_block} if args.vocab_block else {}),
-                )
+                logprobs, _ = blocked_logprobs(hidden, labels, head.norm, head.output.weight, scoring)
                 return logprobs
             # the reference pass computes no entropy, as plugin.reference's
-            logprobs, entropy = chunked_logprobs(
-                hidden, labels, score_head, temperature=args.temperature,
-                chunk_size=chunk, seq_shards=tp, compiled=variant.compiled,
-                entropy_grad=policy and args.entropy_bonus > 0, with_entropy=policy,
-            )
+            logprobs, entropy = chunked_logprobs(hidden, labels, score_head, scoring)
             if policy:
                 loss = -(advantages * logprobs).mean()
                 if args.entropy_bonus > 0:

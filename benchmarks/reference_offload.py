@@ -148,7 +148,7 @@ def worker(args, offload: bool) -> dict:
         "ref_weights_gib": ref_bytes / GiB,
         "resting_gib": max(resting[1:]) / GiB,
         "step_peak_gib": max(peaks[1:]) / GiB,
-        "ref_pass_growth_gib": model.grpo_stats.peaks["ref_peak_growth"],
+        "ref_pass_growth_gib": model.stats.peaks["ref_peak_growth"],
         "step_time_s": statistics.median(times[1:]),
     }
 

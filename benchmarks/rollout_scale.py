@@ -85,7 +85,8 @@ def measure(path: str) -> dict:
 
     from plugin import cpu
     from plugin.config import GRPO
-    from plugin.data import BatchPlan, Collate, RolloutDataset
+    from plugin.batch import BatchPlan, Collate
+    from plugin.data import RolloutDataset
     from plugin.rollouts import Encoder, index_rollouts
 
     tokenizer = HuggingFaceTokenizer(str(REPO / "plugin/assets/tokenizer"))

@@ -12,9 +12,9 @@ cpu.activate()
 from .data import build_rollout_dataloader  # noqa: E402
 from .loss import build_grpo_loss  # noqa: E402
 from .metrics import build_grpo_metrics_processor  # noqa: E402
-from .model import grpo_model_cls  # noqa: E402
+from .model import FAMILIES, grpo_model_cls  # noqa: E402
+from .optimizer import build_grpo_optimizers  # noqa: E402
 from .parallelize import build_grpo_parallelize_fn  # noqa: E402
-from .reference import build_grpo_optimizers_fn  # noqa: E402
 
 
 def grpo_train_spec(base_name: str):
@@ -25,7 +25,7 @@ def grpo_train_spec(base_name: str):
         model_cls=grpo_model_cls(base.model_cls, base_name),
         parallelize_fn=build_grpo_parallelize_fn(base.parallelize_fn),
         pipelining_fn=None,
-        build_optimizers_fn=build_grpo_optimizers_fn(base.build_optimizers_fn),
+        build_optimizers_fn=build_grpo_optimizers,
         build_dataloader_fn=build_rollout_dataloader,
         build_loss_fn=build_grpo_loss,
         build_validator_fn=None,
@@ -33,5 +33,5 @@ def grpo_train_spec(base_name: str):
     )
 
 
-for _name in ("llama3", "qwen3"):
+for _name in FAMILIES:
     register_train_spec(f"grpo_{_name}", grpo_train_spec(_name))

@@ -8,8 +8,9 @@ from types import SimpleNamespace
 import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.parallel import RowwiseParallel
 from torchtitan.models.attention import ScaledDotProductAttentionWrapper
+
+from . import internals
 
 # Modules that copied `device_type` / `device_module` from torchtitan.tools.utils by value.
 _DEVICE_MODULES = (
@@ -104,13 +105,6 @@ class _CPUDeviceModule:
 device_module = _CPUDeviceModule()
 
 
-def _rowwise_output_sync(output_layouts, use_local_output, mod, outputs, device_mesh):
-    """RowwiseParallel._prepare_output_fn with a blocking redistribute."""
-    if outputs.placements != output_layouts:
-        outputs = outputs.redistribute(placements=output_layouts)
-    return outputs.to_local() if use_local_output else outputs
-
-
 _sdpa_forward = ScaledDotProductAttentionWrapper.forward
 
 
@@ -145,7 +139,7 @@ def activate() -> bool:
 
     # The async output collective of compiled TP blocks breaks backward on CPU
     # ("'Tensor' object has no attribute '_local_tensor'").
-    RowwiseParallel._prepare_output_fn = staticmethod(_rowwise_output_sync)
+    internals.use_blocking_rowwise_output()
 
     # The CPU flash-attention kernel has no DTensor sharding strategy (CUDA's kernels do):
     # "aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy".

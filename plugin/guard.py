@@ -20,46 +20,32 @@ from torchtitan.tools.logging import logger
 
 # what GRPOStats.record_nonfinite counts, in the order data flows, then the gradients
 TERMS = ("advantages", "reference log-probs", "policy log-probs", "loss")
-STEP_KEY = "grpo_step_calls"
 
 
 class NonFiniteError(RuntimeError):
     """A non-finite value reached the update; the message names the term and the step."""
 
 
-class NonFiniteGuard:
-    """Optimizer-container mixin: no update from a step with a non-finite term."""
+def nonfinite_terms(stats, grads: list[torch.Tensor]) -> list[str]:
+    """The TERMS (and "gradients") with a NaN/inf since the last step on any rank: one all-reduce, every rank agrees."""
+    grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+    counts = stats.take_nonfinite(grad_norm.device)
+    flags = torch.cat([counts, (~torch.isfinite(grad_norm)).reshape(1).to(counts)])
+    if dist.is_initialized():  # data-parallel ranks hold other batches
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return [term for term, flag in zip(TERMS + ("gradients",), flags.tolist()) if flag > 0]
 
-    step_calls = 0  # steps asked for, applied or skipped; saved with the optimizer's state
 
-    def state_dict(self):
-        return {**super().state_dict(), STEP_KEY: torch.tensor(self.step_calls)}
-
-    def load_state_dict(self, state_dict):
-        if STEP_KEY in state_dict:
-            self.step_calls = int(state_dict.pop(STEP_KEY))
-        super().load_state_dict(state_dict)
-
-    def step(self, *args, **kwargs):
-        self.step_calls += 1
-        stats = self.model_parts[0].grpo_stats
-        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                 for model in self.model_parts for p in model.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-        counts = stats.take_nonfinite(grad_norm.device)
-        flags = torch.cat([counts, (~torch.isfinite(grad_norm)).reshape(1).to(counts)])
-        if dist.is_initialized():  # every rank takes the same decision; data-parallel ranks hold other batches
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        bad = [term for term, flag in zip(TERMS + ("gradients",), flags.tolist()) if flag > 0]
-        if not bad:
-            return super().step(*args, **kwargs)
-        where = f"step {self.step_calls}: non-finite {', '.join(bad)} (NaN or infinite)"
-        if stats.on_nonfinite == "raise":
-            raise NonFiniteError(f"{where}; the update was not applied. Set [grpo] on_nonfinite = \"skip\" to drop "
-                                 "such steps and go on (counted in grpo/skipped_steps)")
-        stats.skipped_steps += 1
-        logger.warning(f"{where}: the step's update is dropped ([grpo] on_nonfinite = 'skip'); "
-                       f"{stats.skipped_steps} skipped so far")
+def refuse_step(bad: list[str], step: int, stats) -> None:
+    """Raise, or with [grpo] on_nonfinite = "skip" count and log, a step whose update is not applied."""
+    where = f"step {step}: non-finite {', '.join(bad)} (NaN or infinite)"
+    if stats.on_nonfinite == "raise":
+        raise NonFiniteError(f"{where}; the update was not applied. Set [grpo] on_nonfinite = \"skip\" to drop "
+                             "such steps and go on (counted in grpo/skipped_steps)")
+    stats.skipped_steps += 1
+    logger.warning(f"{where}: the step's update is dropped ([grpo] on_nonfinite = 'skip'); "
+                   f"{stats.skipped_steps} skipped so far")
 
 
 def check_resume_checkpoint(job_config) -> None:

@@ -7,7 +7,7 @@ the vocabulary is never gathered. torchtitan's train context enters loss_paralle
 TP > 1, and backward also runs inside it, as loss_parallel requires.
 """
 
-import os
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -86,6 +86,24 @@ def compute_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Ten
     return _plain(_Entropy.apply(F.log_softmax(_scaled(logits, temperature), dim=-1)))
 
 
+VOCAB_BLOCK = 4096  # output-layer rows per block: a chunk's temporaries are [tokens, VOCAB_BLOCK], whatever V
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """How log-probs are scored: one object from the config to every scoring function here."""
+
+    temperature: float = 1.0
+    chunk_size: int = 0  # global sequence positions per chunk, of every sequence (B * chunk_size tokens); 0: chunk_tokens
+    chunk_tokens: int = 0  # tokens (batch x positions, all ranks) per chunk; 0 with chunk_size 0: all at once
+    seq_shards: int = 1  # ranks the trunk output is sequence-sharded over (the TP degree under sequence parallelism)
+    compiled: bool = False  # torch.compile the log-prob, entropy and vocab-block computations
+    backend: str = "inductor"  # [compile] backend
+    with_entropy: bool = True  # compute the entropy at all (the reference's pass does not); None in its place otherwise
+    entropy_grad: bool = False  # let gradients flow through the entropy (an entropy bonus)
+    vocab_block: int = VOCAB_BLOCK  # output-layer rows per block of the blocked and fused passes
+
+
 _compiled: dict[object, object] = {}
 
 
@@ -98,13 +116,15 @@ def maybe_compiled(fn, enabled: bool, backend: str = "inductor"):
     return _compiled[fn, backend]
 
 
-def _score_chunk(head, h, labels, temperature, compiled, backend, entropy_grad, with_entropy=True):
+def _score_chunk(head, h, labels, scoring: Scoring):
     """Log-probs and entropy (None without `with_entropy`) of one chunk; its logits live only inside this call."""
     logits = head(h)  # [B, k, V], or a Shard(-1) DTensor under loss_parallel
-    if not with_entropy:
-        return maybe_compiled(compute_logprobs, compiled, backend)(logits, labels, temperature), None
+    s = scoring
+    if not s.with_entropy:
+        return maybe_compiled(compute_logprobs, s.compiled, s.backend)(logits, labels, s.temperature), None
     # entropy is a logged statistic unless the loss has an entropy bonus
-    return maybe_compiled(compute_logprobs_and_entropy, compiled, backend)(logits, labels, temperature, entropy_grad)
+    return maybe_compiled(compute_logprobs_and_entropy, s.compiled, s.backend)(logits, labels, s.temperature,
+                                                                               s.entropy_grad)
 
 
 def chunk_tokens_for(budget_mib: float, vocab_size: int, seq_shards: int = 1) -> int:
@@ -118,16 +138,16 @@ def chunk_tokens_for(budget_mib: float, vocab_size: int, seq_shards: int = 1) ->
     return max(seq_shards, tokens // seq_shards * seq_shards)
 
 
-def local_chunk(batch: int, local_len: int, seq_shards: int, chunk_size: int = 0, chunk_tokens: int = 0) -> int:
+def local_chunk(batch: int, local_len: int, scoring: Scoring) -> int:
     """This rank's tokens per chunk: `chunk_size` positions of each sequence, else `chunk_tokens` of the batch."""
-    if chunk_size > 0:
-        return batch * max(1, chunk_size // seq_shards)
-    if chunk_tokens > 0:
-        return max(1, chunk_tokens // seq_shards)
+    if scoring.chunk_size > 0:
+        return batch * max(1, scoring.chunk_size // scoring.seq_shards)
+    if scoring.chunk_tokens > 0:
+        return max(1, scoring.chunk_tokens // scoring.seq_shards)
     return batch * local_len
 
 
-def _token_layout(hidden: torch.Tensor, labels: torch.Tensor, seq_shards: int, chunk_size: int, chunk_tokens: int):
+def _token_layout(hidden: torch.Tensor, labels: torch.Tensor, scoring: Scoring):
     """This rank's n tokens, its tokens per chunk k, and the [S, n] positions in the flattened [B, T] labels.
 
     This rank's B sequence shards are one sequence of n tokens, so a chunk counts tokens, not
@@ -135,27 +155,19 @@ def _token_layout(hidden: torch.Tensor, labels: torch.Tensor, seq_shards: int, c
     yields logits for tokens [c, c+k) of every rank, rank-major; the positions are laid out the same way.
     """
     B, T = labels.shape
-    S, T_local = seq_shards, hidden.shape[1]
+    S, T_local = scoring.seq_shards, hidden.shape[1]
     if T_local * S != T:
         raise ValueError(f"hidden has {T_local} positions per rank; labels need {T} / {S}")
     n = B * T_local
     index_by_shard = torch.arange(B * T, device=labels.device).view(B, S, T_local).transpose(0, 1).reshape(S, n)
-    return n, local_chunk(B, T_local, S, chunk_size, chunk_tokens), index_by_shard
+    return n, local_chunk(B, T_local, scoring), index_by_shard
 
 
 def chunked_logprobs(
     hidden: torch.Tensor,
     labels: torch.Tensor,
     head: Callable[[torch.Tensor], torch.Tensor],
-    *,
-    temperature: float = 1.0,
-    chunk_size: int = 0,
-    chunk_tokens: int = 0,
-    seq_shards: int = 1,
-    compiled: bool = False,
-    backend: str = "inductor",
-    entropy_grad: bool = False,
-    with_entropy: bool = True,
+    scoring: Scoring = Scoring(),
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[B, T] log-probs of `labels` and entropies from trunk states, scoring one chunk of tokens at a time.
 
@@ -163,17 +175,11 @@ def chunked_logprobs(
         hidden: [B, T / seq_shards, D], this rank's sequence shard of the trunk output.
         labels: [B, T], the full sequence's labels (replicated across TP ranks).
         head: hidden chunk -> logits (final norm + output layer, possibly vocab-parallel).
-        chunk_size: global sequence positions per chunk, of every sequence (B * chunk_size tokens); 0: see chunk_tokens.
-        chunk_tokens: tokens (batch x positions, all ranks) per chunk, whatever the batch size; 0 with
-            chunk_size 0 scores everything at once.
-        seq_shards: ranks the sequence is sharded over (the TP degree under sequence parallelism).
-        compiled, backend: torch.compile the log-prob and entropy computation with this backend ([compile] backend).
-        entropy_grad: let gradients flow through the entropy (for an entropy bonus).
-        with_entropy: compute the entropy at all (the reference's pass does not); None in its place otherwise.
+        scoring: temperature, chunking, sequence shards, compile and entropy options (see Scoring).
     """
     B, T = labels.shape
-    S, T_local = seq_shards, hidden.shape[1]
-    n, k, index_by_shard = _token_layout(hidden, labels, S, chunk_size, chunk_tokens)
+    S, T_local = scoring.seq_shards, hidden.shape[1]
+    n, k, index_by_shard = _token_layout(hidden, labels, scoring)
     flat_hidden = hidden.reshape(1, n, hidden.shape[-1])  # [1, n, D]
     labels_by_shard = labels.view(-1)[index_by_shard]  # [S, n]
     # with several chunks, recompute each in backward so its logits are freed after its forward
@@ -183,18 +189,17 @@ def chunked_logprobs(
         h_c = flat_hidden[:, start : start + k]
         labels_c = labels_by_shard[:, start : start + k].reshape(1, -1)
         if recompute:
-            lp, ent = checkpoint(_score_chunk, head, h_c, labels_c, temperature, compiled, backend, entropy_grad,
-                                 with_entropy, use_reentrant=False)
+            lp, ent = checkpoint(_score_chunk, head, h_c, labels_c, scoring, use_reentrant=False)
         else:
-            lp, ent = _score_chunk(head, h_c, labels_c, temperature, compiled, backend, entropy_grad, with_entropy)
+            lp, ent = _score_chunk(head, h_c, labels_c, scoring)
         logprobs.append(lp.view(S, -1))
-        if with_entropy:
+        if scoring.with_entropy:
             entropy.append(ent.view(S, -1))
 
     def unflatten(chunks):  # [S, n] pieces -> [B, T]
         return torch.cat(chunks, dim=1).view(S, B, T_local).transpose(0, 1).reshape(B, T)
 
-    return unflatten(logprobs), unflatten(entropy) if with_entropy else None
+    return unflatten(logprobs), unflatten(entropy) if scoring.with_entropy else None
 
 
 class _FusedChunks(torch.autograd.Function):
@@ -216,9 +221,6 @@ class _FusedChunks(torch.autograd.Function):
         # scaled in place, not copied: a second copy of the output weight's gradient would be the pass's peak
         grads, ctx.grads = [g.mul_(grad) for g in ctx.grads], None
         return ctx.grad_hidden.mul_(grad), None, *grads
-
-
-VOCAB_BLOCK = 4096  # output-layer rows per block: a chunk's temporaries are [tokens, VOCAB_BLOCK], whatever V
 
 
 def _block_stats(z, index, m, s, u, picked, temperature):
@@ -248,16 +250,18 @@ def _block_grad(z, index, lse, entropy, d_logprob, d_entropy, temperature):
 class _Vocab:
     """The output layer's weight [V, D] as blocks of this rank's rows (its Shard(0) under TP), and the TP group."""
 
-    def __init__(self, weight: torch.Tensor, vocab_block: int, temperature: float, compiled: bool, backend: str):
+    def __init__(self, weight: torch.Tensor, scoring: Scoring):
         self.sharded = isinstance(weight, DTensor)
         self.w = weight.to_local() if self.sharded else weight  # [V / S, D]
         self.group = weight.device_mesh.get_group() if self.sharded else None
         # DTensor's Shard(0): ceil(V / S) rows a rank, the last ranks' fewer
         self.offset = weight.device_mesh.get_local_rank() * -(-weight.shape[0] // weight.device_mesh.size()) \
             if self.sharded else 0
-        self.blocks = [(v, self.w[v : v + vocab_block]) for v in range(0, self.w.shape[0], vocab_block)]
-        self.temperature = temperature
-        self.block_stats, self.block_grad = (maybe_compiled(f, compiled, backend) for f in (_block_stats, _block_grad))
+        block = scoring.vocab_block
+        self.blocks = [(v, self.w[v : v + block]) for v in range(0, self.w.shape[0], block)]
+        self.temperature = scoring.temperature
+        self.block_stats, self.block_grad = (maybe_compiled(f, scoring.compiled, scoring.backend)
+                                             for f in (_block_stats, _block_grad))
         self.buffer = None
 
     def logits(self, x: torch.Tensor, w_b: torch.Tensor) -> torch.Tensor:
@@ -316,15 +320,7 @@ def blocked_logprobs(
     labels: torch.Tensor,
     norm: torch.nn.Module,
     weight: torch.Tensor,
-    *,
-    temperature: float = 1.0,
-    chunk_size: int = 0,
-    chunk_tokens: int = 0,
-    seq_shards: int = 1,
-    compiled: bool = False,
-    backend: str = "inductor",
-    with_entropy: bool = True,
-    vocab_block: int = VOCAB_BLOCK,
+    scoring: Scoring = Scoring(),
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """chunked_logprobs without gradients (the reference's pass), each chunk's logits made `vocab_block` rows at a time.
 
@@ -334,8 +330,9 @@ def blocked_logprobs(
     output layer of `weight`, as fused_chunked_loss's; other arguments as chunked_logprobs'.
     """
     B, T = labels.shape
-    n, k, index_by_shard = _token_layout(hidden, labels, seq_shards, chunk_size, chunk_tokens)
-    vocab = _Vocab(weight, vocab_block, temperature, compiled, backend)
+    with_entropy = scoring.with_entropy
+    n, k, index_by_shard = _token_layout(hidden, labels, scoring)
+    vocab = _Vocab(weight, scoring)
     flat_hidden = hidden.reshape(1, n, hidden.shape[-1])  # [1, n, D]
     logprobs, entropy = torch.zeros(2, B * T, device=labels.device)
     for start in range(0, n, k):
@@ -353,15 +350,7 @@ def fused_chunked_loss(
     norm: torch.nn.Module,
     weight: torch.Tensor,
     token_loss: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-    *,
-    temperature: float = 1.0,
-    chunk_size: int = 0,
-    chunk_tokens: int = 0,
-    seq_shards: int = 1,
-    compiled: bool = False,
-    backend: str = "inductor",
-    entropy_grad: bool = False,
-    vocab_block: int = VOCAB_BLOCK,
+    scoring: Scoring = Scoring(),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A per-token loss summed over the batch, with each chunk's forward and backward run in forward.
 
@@ -375,12 +364,14 @@ def fused_chunked_loss(
     flattened [B, T] labels, and returns their loss sum.
 
     Returns the loss (differentiable to `hidden`, `norm`'s parameters and `weight`) and detached
-    [B, T] log-probs and entropies. Arguments as chunked_logprobs'.
+    [B, T] log-probs and entropies (always computed: the loss may use them); `scoring.entropy_grad`
+    lets the loss's gradient flow through the entropy. Arguments as chunked_logprobs'.
     """
     B, T = labels.shape
-    n, k, index_by_shard = _token_layout(hidden, labels, seq_shards, chunk_size, chunk_tokens)
+    entropy_grad = scoring.entropy_grad
+    n, k, index_by_shard = _token_layout(hidden, labels, scoring)
     params = [*(p for p in norm.parameters() if p.requires_grad), weight]
-    vocab = _Vocab(weight, vocab_block, temperature, compiled, backend)
+    vocab = _Vocab(weight, scoring)
 
     def run(hidden):
         flat_hidden = hidden.detach().reshape(1, n, hidden.shape[-1])  # [1, n, D]
@@ -419,17 +410,3 @@ def fused_chunked_loss(
 
     return _FusedChunks.apply(hidden, run, *params)
 
-
-def isolate_compile_cache(rank: int) -> None:
-    """Give each rank its own inductor/AOTAutograd cache directory.
-
-    The AOTAutograd cache key does not tell ranks apart, so with a cache shared by the TP ranks
-    one rank reuses a graph that has the other rank's vocab range baked in, and log-probs come
-    out silently wrong (pytorch/pytorch#188390; tests/test_logprobs.py shows it).
-    """
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    base = cache_dir()
-    if os.path.basename(base).startswith("rank_"):
-        return
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, f"rank_{rank}")

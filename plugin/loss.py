@@ -14,7 +14,9 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.tools.logging import logger
 
 from .config import compiles_loss
+from .job import GRPOJob
 from .logprobs import maybe_compiled
+
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str, *,
                log_ratio_clamp: float, kl_max: float) -> torch.Tensor:
@@ -94,8 +96,8 @@ def grpo_token_terms(
     )
 
 
-def grpo_loss(pred, labels: torch.Tensor, *, token_terms_fn) -> torch.Tensor:
-    """Weighted sum of the per-token GRPO loss over completion tokens; records metrics on `pred.stats`.
+def grpo_loss(pred, labels: torch.Tensor, *, token_terms_fn, stats=None) -> torch.Tensor:
+    """Weighted sum of the per-token GRPO loss over completion tokens; records metrics in `stats` (GRPOStats).
 
     With [grpo] fused_policy_pass the model computed the loss and its gradients already
     (`pred.fused_loss`); the terms are evaluated here only for the metrics.
@@ -105,15 +107,15 @@ def grpo_loss(pred, labels: torch.Tensor, *, token_terms_fn) -> torch.Tensor:
     if pred.old_logprobs is not None:
         # behaviour log-probs where the rollout has them (NaN elsewhere), on-policy otherwise
         old = torch.where(pred.old_logprobs.isnan(), old, pred.old_logprobs)
-    fused = getattr(pred, "fused_loss", None)
+    fused = pred.fused_loss
     with torch.no_grad() if fused is not None else nullcontext():
         terms = token_terms_fn(pred.logprobs, old, pred.ref_logprobs, pred.advantages, pred.loss_weights, mask,
                                pred.entropy)
     loss = terms.loss.sum() if fused is None else fused
-    if pred.stats is not None:
-        pred.stats.record_tokens(terms, mask, pred)
+    if stats is not None:
+        stats.record_tokens(terms, mask, pred)
         # plugin.guard checks these before the optimizer step, in plugin.guard.TERMS order
-        pred.stats.record_nonfinite(pred.advantages, pred.ref_logprobs, pred.logprobs * mask, loss.detach())
+        stats.record_nonfinite(pred.advantages, pred.ref_logprobs, pred.logprobs * mask, loss.detach())
     return loss
 
 
@@ -132,4 +134,4 @@ def build_grpo_loss(job_config, **kwargs):
     del kwargs
     if compiles_loss(job_config):
         logger.info("Compiling the GRPO per-token loss with torch.compile")
-    return partial(grpo_loss, token_terms_fn=token_terms_fn(job_config))
+    return partial(grpo_loss, token_terms_fn=token_terms_fn(job_config), stats=GRPOJob.of(job_config).stats)

@@ -1,10 +1,21 @@
 """The GRPO policy model: torchtitan's llama3/qwen3 model class that, given labels, scores them.
 
-`grpo_model_cls` combines `GRPOModel` (and the family's trunk) with torchtitan's class once
-per base, as FSDP2 does for its own `FSDP<Module>` classes. Called without labels, the model is
-torchtitan's. With labels it returns a `PolicyOutput`: the policy's per-token log-probs and
-entropy, the frozen reference's log-probs (plugin.reference) and the batch's per-completion
-values, which is what the GRPO loss takes.
+`grpo_model_cls` combines `GRPOModel` with torchtitan's class once per base, as FSDP2 does for its
+own `FSDP<Module>` classes. torchtitan calls `forward`: without labels it is torchtitan's model
+(logits); with labels and the batch's `Rollouts` it returns a `PolicyOutput`, the GRPO loss's
+input. Every other job is a method of its own: `hidden_states` (the trunk, the sampler's
+prefill), `logprobs` (no-grad log-probs: the reference's pass, online mode's old log-probs),
+`score` and `fused_loss` (the policy's pass, unfused or fused with the loss's backward).
+
+The model-family contract, all the plugin relies on besides `FAMILIES`' RoPE buffer name:
+- `tok_embeddings`: token ids -> [B, T, D]; `layers`: an nn.ModuleDict of blocks, each called
+  `layer(h, rope, attention_masks, positions)`; `norm`: the final norm; `output`: a bias-free
+  nn.Linear whose weight is [V, D] (a Shard(0) DTensor under TP);
+- each block's attention has an `inner_attention` submodule called `(q, k, v, scale=..., enable_gqa=...)`
+  on [B, H, T, hd] (the sampler puts its KV cache there);
+- `model_args.max_seq_len` (the RoPE table's length) and, for tied embedding and output weights,
+  `model_args.enable_weight_tying`.
+Adding a family is one `FAMILIES` entry and its TrainSpec registration (plugin/__init__.py).
 """
 
 from contextlib import contextmanager
@@ -13,14 +24,17 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
 from torchtitan.components.loss import IGNORE_INDEX
 
-from .logprobs import blocked_logprobs, chunked_logprobs, fused_chunked_loss, local_chunk
-from .metrics import GRPOStats
+from . import internals
+from .logprobs import Scoring, blocked_logprobs, chunked_logprobs, fused_chunked_loss, local_chunk
+from .stats import GRPOStats
 from .reference import Reference
+
+# the torchtitan model families the plugin registers, and the name of each one's RoPE buffer
+FAMILIES = {"llama3": "freqs_cis", "qwen3": "rope_cache"}
 
 
 @dataclass
@@ -33,92 +47,99 @@ class PolicyOutput:
     old_logprobs: torch.Tensor | None = None  # [B, T] behaviour log-probs, NaN where unknown; None: on-policy
     advantages: torch.Tensor | None = None  # [B]
     rewards: torch.Tensor | None = None  # [B]
-    loss_weights: torch.Tensor | None = None  # [B], see data.loss_weights
-    stats: GRPOStats | None = None
+    loss_weights: torch.Tensor | None = None  # [B], see batch.loss_weights
     sampler_logprobs: torch.Tensor | None = None  # [B, T] online mode's sampler log-probs, NaN elsewhere
     # [grpo] fused_policy_pass: the loss sum, its gradients computed in forward; logprobs and entropy are then detached
     fused_loss: torch.Tensor | None = None
 
 
-@dataclass
-class ScoringConfig:
-    temperature: float = 1.0
-    chunk_size: int = 0  # global sequence positions per chunk, of each sequence ([grpo] logprob_chunk_size)
-    chunk_tokens: int = 0  # tokens of the batch per chunk, all ranks; 0 with chunk_size 0 = all at once
-    seq_shards: int = 1  # ranks the trunk output is sequence-sharded over (TP degree)
-    compile: bool = False
-    compile_backend: str = "inductor"
-    entropy_grad: bool = False  # the entropy bonus needs its gradient
-    entropy: bool = True  # compute it at all: the reference's pass uses only its log-probs
-    head_reshard_after_forward: bool = False  # the FSDP policy of the head's group, see head_comms_once
-    # [grpo] fused_policy_pass: the per-token GRPO terms (plugin.loss.grpo_token_terms with the run's
-    # settings) that the policy pass differentiates chunk by chunk; None: log-probs go to the loss
-    token_terms: Callable | None = None
-
-
 class GRPOModel:
     """Mixin over torchtitan's model class: scores labels, owns the frozen reference."""
 
+    rope_buffer = "freqs_cis"  # the family's RoPE table (FAMILIES), set per class by grpo_model_cls
+
     def __init__(self, model_args):
         super().__init__(model_args)
-        self.scoring = ScoringConfig()
-        self.grpo_stats: GRPOStats | None = None
+        self.scoring = Scoring()
+        self.stats: GRPOStats | None = None
         self.reference: Reference | None = None  # not a submodule (plugin.reference says why)
+        # [grpo] fused_policy_pass: the per-token GRPO terms (plugin.loss.grpo_token_terms with the run's settings)
+        # that the policy pass differentiates chunk by chunk; None: log-probs go to the loss
+        self.token_terms: Callable | None = None
+        self.head_reshard_after_forward = False  # the FSDP policy of the head's group, see head_comms_once
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, rollouts=None, *,
-                trunk_only: bool = False, with_reference: bool = True, **kwargs):
-        """Logits when called without labels (torchtitan's own use); PolicyOutput with them.
+    def configure(self, scoring: Scoring, stats: GRPOStats | None = None, reference: Reference | None = None,
+                  token_terms: Callable | None = None, head_reshard_after_forward: bool = False) -> None:
+        """What the parallelize function gives the parallelized model, once: how it scores, where its statistics
+        go, its reference and, for the fused pass, the loss's per-token terms."""
+        self.scoring, self.stats, self.reference, self.token_terms = scoring, stats, reference, token_terms
+        self.head_reshard_after_forward = head_reshard_after_forward
+        if isinstance(self, FSDPModule):
+            # the methods called from outside forward run FSDP's root hooks as forward does
+            for method in ("hidden_states", "_logprobs"):
+                register_fsdp_forward_method(self, method)
 
-        Through forward, so FSDP's root hooks run, also: `trunk_only` returns `hidden_states` (a
-        sampler's prefill), and `with_reference=False` skips the reference pass (a scoring pass).
-        """
-        if trunk_only:
-            return self.hidden_states(tokens, **kwargs)
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, rollouts=None, **kwargs):
+        """Logits without labels (torchtitan's own use); with labels, the loss's input: the policy's log-probs and
+        the reference's, and the batch's per-completion values from its `rollouts` (plugin.batch.Rollouts)."""
         if labels is None:
             return super().forward(tokens, **kwargs)
+        r = None if rollouts is None else rollouts.to(tokens.device)
         ref_logprobs = None
-        if self.reference is not None and with_reference:
-            if rollouts is not None and rollouts.ref_logprobs is not None:
+        if self.reference is not None:
+            if r is not None and r.ref_logprobs is not None:
                 # the rollouts carry the reference's log-probs for every completion token: no reference pass
                 self.reference.load_once(self, tokens.device)
-                ref_logprobs = rollouts.ref_logprobs.to(tokens.device)
+                ref_logprobs = r.ref_logprobs
             else:
-                ref_logprobs = self.reference.logprobs(self, tokens, labels, self.grpo_stats, **kwargs)
-        fused = self.scoring.token_terms is not None and rollouts is not None and torch.is_grad_enabled()
-        if not fused:
-            logprobs, entropy = self.score(tokens, labels, **kwargs)
-            if rollouts is None:  # the reference's own call: only log-probs are asked for
-                return PolicyOutput(logprobs, entropy)
-        r = rollouts.to(tokens.device)
+                ref_logprobs = self.reference.logprobs(self, tokens, labels, self.stats, **kwargs)
+        if r is None:  # labels scored alone (no loss follows)
+            return PolicyOutput(*self.score(tokens, labels, **kwargs), ref_logprobs)
         fused_loss = None
-        if fused:
+        if self.token_terms is not None and torch.is_grad_enabled():
             fused_loss, logprobs, entropy = self.fused_loss(tokens, labels, r, ref_logprobs, **kwargs)
-        if rollouts.keep_logprobs:
-            # the first pass over an online batch: its log-probs are the old log-probs of the replays
-            rollouts.old_logprobs = logprobs.detach().clone()
+        else:
+            logprobs, entropy = self.score(tokens, labels, **kwargs)
         return PolicyOutput(logprobs, entropy, ref_logprobs, r.old_logprobs, r.advantages, r.rewards, r.loss_weights,
-                            self.grpo_stats, r.sampler_logprobs, fused_loss)
+                            r.sampler_logprobs, fused_loss)
+
+    def trunk(self, tokens: torch.Tensor, attention_masks=None, positions=None) -> torch.Tensor:
+        """The trunk's output before the final norm; sequence-sharded [B, T/TP, D] under TP."""
+        h = self.tok_embeddings(tokens)
+        rope = getattr(self, self.rope_buffer)
+        for layer in self.layers.values():
+            h = layer(h, rope, attention_masks, positions)
+        return h
+
+    def hidden_states(self, tokens: torch.Tensor, attention_masks=None, positions=None) -> torch.Tensor:
+        """The trunk, called from outside forward (the sampler's prefill); FSDP's root hooks run as in forward."""
+        return self.trunk(tokens, attention_masks, positions)
+
+    @torch.no_grad()
+    def logprobs(self, tokens: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
+        """[B, T] log-probs of `labels`, no gradient, the vocabulary in blocks: the reference's pass, and online
+        mode's old log-probs. No backward follows, so FSDP's per-iteration records are reset after it."""
+        logprobs = self._logprobs(tokens, labels, **kwargs)
+        internals.end_forward_only_iteration(self)
+        return logprobs
+
+    def _logprobs(self, tokens: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
+        hidden = self.trunk(tokens, **kwargs)
+        with head_weight(self) as weight:
+            return blocked_logprobs(hidden, labels, self.norm, weight, self.scoring)[0]
 
     def score(self, tokens: torch.Tensor, labels: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[B, T] log-probs of `labels` and entropies (None when scoring.entropy is off) under this model."""
-        cfg = self.scoring
-        hidden = self.hidden_states(tokens, **kwargs)
-        common = dict(temperature=cfg.temperature, chunk_size=cfg.chunk_size, chunk_tokens=cfg.chunk_tokens,
-                      seq_shards=cfg.seq_shards, compiled=cfg.compile, backend=cfg.compile_backend,
-                      with_entropy=cfg.entropy)
-        if not torch.is_grad_enabled():  # the reference's pass: vocab blocks, as the fused policy pass
-            with head_weight(self) as weight:
-                return blocked_logprobs(hidden, labels, self.norm, weight, **common)
+        """[B, T] log-probs of `labels` and entropies (None when scoring.with_entropy is off), with gradients."""
+        hidden = self.trunk(tokens, **kwargs)
         B, T_local = hidden.shape[:2]
-        chunked = local_chunk(B, T_local, cfg.seq_shards, cfg.chunk_size, cfg.chunk_tokens) < B * T_local
+        chunked = local_chunk(B, T_local, self.scoring) < B * T_local
         with head_comms_once(self, chunked=chunked) as head:
-            return chunked_logprobs(hidden, labels, head, entropy_grad=cfg.entropy_grad, **common)
+            return chunked_logprobs(hidden, labels, head, self.scoring)
 
     def fused_loss(self, tokens: torch.Tensor, labels: torch.Tensor, r, ref_logprobs: torch.Tensor | None,
                    **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The GRPO loss sum with each chunk's backward run in forward; detached [B, T] log-probs and entropies."""
-        cfg = self.scoring
-        hidden = self.hidden_states(tokens, **kwargs)
+        hidden = self.trunk(tokens, **kwargs)
         T = labels.shape[1]
         mask = (labels != IGNORE_INDEX).view(-1)
         old = None if r.old_logprobs is None else r.old_logprobs.view(-1)
@@ -128,15 +149,12 @@ class GRPOModel:
             row = index // T
             # as grpo_loss: behaviour log-probs where the rollouts have them, on-policy elsewhere
             old_c = logprobs.detach() if old is None else torch.where(old[index].isnan(), logprobs.detach(), old[index])
-            terms = cfg.token_terms(logprobs[:, None], old_c[:, None], None if ref is None else ref[index][:, None],
-                                    r.advantages[row], r.loss_weights[row], mask[index][:, None], entropy[:, None])
+            terms = self.token_terms(logprobs[:, None], old_c[:, None], None if ref is None else ref[index][:, None],
+                                     r.advantages[row], r.loss_weights[row], mask[index][:, None], entropy[:, None])
             return terms.loss.sum()
 
         with head_weight(self) as weight:
-            return fused_chunked_loss(hidden, labels, self.norm, weight, token_loss, temperature=cfg.temperature,
-                                      chunk_size=cfg.chunk_size, chunk_tokens=cfg.chunk_tokens,
-                                      seq_shards=cfg.seq_shards, compiled=cfg.compile, backend=cfg.compile_backend,
-                                      entropy_grad=cfg.entropy_grad)
+            return fused_chunked_loss(hidden, labels, self.norm, weight, token_loss, self.scoring)
 
     def to_empty(self, *, device, recurse: bool = True):
         super().to_empty(device=device, recurse=recurse)
@@ -150,32 +168,13 @@ class GRPOModel:
             self.reference.init_buffers(*args, **kwargs)
 
 
-class Llama3Trunk:
-    def hidden_states(self, tokens: torch.Tensor, attention_masks=None, positions=None) -> torch.Tensor:
-        """The trunk's output before the final norm; sequence-sharded [B, T/TP, D] under TP."""
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers.values():
-            h = layer(h, self.freqs_cis, attention_masks, positions)
-        return h
-
-
-class Qwen3Trunk:
-    def hidden_states(self, tokens: torch.Tensor, attention_masks=None, positions=None) -> torch.Tensor:
-        """The trunk's output before the final norm; sequence-sharded [B, T/TP, D] under TP."""
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers.values():
-            h = layer(h, self.rope_cache, attention_masks, positions)
-        return h
-
-
-TRUNKS = {"llama3": Llama3Trunk, "qwen3": Qwen3Trunk}
 _GRPO_CLASSES: dict[type, type] = {}
 
 
 def grpo_model_cls(base: type[nn.Module], family: str) -> type[nn.Module]:
-    """GRPOModel and the family's trunk over torchtitan's model class `base`, made once per base."""
+    """GRPOModel over torchtitan's model class `base` of a FAMILIES family, made once per base."""
     if base not in _GRPO_CLASSES:
-        _GRPO_CLASSES[base] = type(f"GRPO{base.__name__}", (GRPOModel, TRUNKS[family], base), {})
+        _GRPO_CLASSES[base] = type(f"GRPO{base.__name__}", (GRPOModel, base), {"rope_buffer": FAMILIES[family]})
     return _GRPO_CLASSES[base]
 
 
@@ -230,7 +229,7 @@ def head_comms_once(model: nn.Module, chunked: bool):
     try:
         yield head
     finally:
-        group.set_reshard_after_forward(model.scoring.head_reshard_after_forward, recurse=False)
+        group.set_reshard_after_forward(model.head_reshard_after_forward, recurse=False)
 
 
 @contextmanager
@@ -246,18 +245,15 @@ def head_weight(model: nn.Module):
     autograd node led back to.
     """
     group = model.output if isinstance(model.output, FSDPModule) else None
-    if group is not None:
-        group.unshard()
-        state = group._get_fsdp_state()
-        training_state, state._training_state = state._training_state, TrainingState.PRE_BACKWARD
-    try:
+    if group is None:
         yield model.output.weight
-    finally:
-        if group is not None:
-            state._training_state = training_state
-            if not ties_weights(model):
-                # the gradients are computed: backward needs no head (the tied embedding's group is FSDP's to reshard)
-                group.reshard()
+        return
+    group.unshard()
+    with internals.fsdp_hooks_quiet(group):
+        yield model.output.weight
+    if not ties_weights(model):
+        # the gradients are computed: backward needs no head (the tied embedding's group is FSDP's to reshard)
+        group.reshard()
 
 
 def ties_weights(model: nn.Module) -> bool:

@@ -1,17 +1,17 @@
 """Online GRPO: every batch's groups are sampled from the current policy inside torchtitan's loop.
 
 torchtitan's Trainer pulls all microbatches of a step before its first forward, and builds the
-dataloader before the model. So the dataset samples: the GRPO parallelize function hands it
-the parallelized policy (`attach`), and the first `next()` of a batch's first step generates
-G completions for each of this rank's prompts, scores them with the reward functions, gathers
-rewards and lengths from the other DP ranks (advantages and loss weights are global), and cuts
-the same microbatches as file rollouts (plugin.data's plan and Collate). Generation time
-therefore also shows as torchtitan's data-loading time.
+dataloader before the model. So the dataset samples: it finds the parallelized policy in the
+job's GRPOJob (the parallelize function puts it there), and the first `next()` of a batch's
+first step generates G completions for each of this rank's prompts, scores them with the reward
+functions, gathers rewards and lengths from the other DP ranks (advantages and loss weights are
+global), and cuts the same microbatches as file rollouts (plugin.batch's plan and Collate).
+Generation time therefore also shows as torchtitan's data-loading time.
 
-With `[online] num_iterations` = mu > 1 a batch is trained on for mu optimizer steps. Its
-old log-probs are those of the first step's forward on exactly the same microbatches, before
-any update (the model keeps them, see `Rollouts.keep_logprobs`): the first step's ratio is 1,
-the replays' ratios are clipped against them, and no extra scoring pass is run.
+With `[online] num_iterations` = mu > 1 a batch is trained on for mu optimizer steps. The
+dataset scores its microbatches with the policy before any update (`policy.logprobs`, no
+gradient), as TRL does: those are the replays' old log-probs. The first step is on-policy (its
+ratio is 1), the replays' ratios are clipped against them.
 
 The data state (prompt position, replay phase and, mid-replay, the batch itself with its old
 log-probs) is saved per DP rank, so a resume anywhere, mid-replay too, continues the same run.
@@ -36,14 +36,14 @@ from torch.utils.data import IterableDataset
 
 from torchtitan.tools.logging import logger
 
-from .data import GroupStream
-from .metrics import GRPOStats, OnlineStats
+from .batch import GroupStream, Rollouts
+from .job import GRPOJob
+from .stats import OnlineStats
 from .rewards import load_reward_fns, score
-from .rollouts import Completion, RolloutError, _Bad, _JsonlFile, _ParquetFile, report, rollout_format
-from .sampler import build_sampler
+from .rollouts import BadRow, Completion, JsonlFile, ParquetFile, RolloutError, report, rollout_format
+from .sampler import build_sampler, max_prompt_tokens
 
 PROMPT_FIELDS = ("prompt", "prompt_ids")
-_DATASETS: list["OnlineDataset"] = []  # built in this process, waiting for the policy (attach)
 
 
 @dataclass
@@ -60,17 +60,17 @@ def load_prompts(path: str, encoder, tokenizer, *, fmt: str, max_new_tokens: int
     if not os.path.isfile(path):
         raise FileNotFoundError(f"[training] dataset_path = {path!r}: no such prompt file")
     prompts, problems, skipped = [], [], 0
-    limit = encoder.seq_len + 1 - max_new_tokens  # the input drops a training sequence's last token
-    source = _JsonlFile(path) if rollout_format(path, fmt) == "jsonl" else _ParquetFile(path, every_column=True)
+    limit = max_prompt_tokens(encoder.seq_len, max_new_tokens)
+    source = JsonlFile(path) if rollout_format(path, fmt) == "jsonl" else ParquetFile(path, every_column=True)
     for line, _, row in source.scan():
         try:
-            if isinstance(row, _Bad):
+            if isinstance(row, BadRow):
                 raise row
             ids = encoder.prompt(row)
             if len(ids) > limit:
-                raise _Bad(f"the prompt is {len(ids)} tokens; with [online] max_new_tokens = {max_new_tokens} "
+                raise BadRow(f"the prompt is {len(ids)} tokens; with [online] max_new_tokens = {max_new_tokens} "
                            f"a prompt may have at most [training] seq_len + 1 - max_new_tokens = {limit}")
-        except _Bad as e:
+        except BadRow as e:
             report(problems, on_error, f"{source.where(line)}: {e}")
             skipped += 1
             continue
@@ -99,28 +99,29 @@ class OnlineDataset(IterableDataset, Stateful):
     """Yields this rank's microbatches of completions sampled from the attached policy, each batch mu times."""
 
     def __init__(self, prompts: list[Prompt], plan, collate, seed: int, online, reward_fns, tokenizer,
-                 pad_id: int, stop_ids: list[int], temperature: float, dump_folder: str):
+                 pad_id: int, stop_ids: list[int], temperature: float, dump_folder: str, job: GRPOJob,
+                 stats: OnlineStats):
         self.prompts, self.plan, self.collate, self.seed, self.cfg = prompts, plan, collate, seed, online
         self.reward_fns, self.tokenizer, self.pad_id, self.stop_ids = reward_fns, tokenizer, pad_id, stop_ids
-        self.temperature, self.dump_folder = temperature, dump_folder
+        self.temperature, self.dump_folder, self.job, self.stats = temperature, dump_folder, job, stats
         self.stream = GroupStream(len(prompts), plan.groups_per_step, seed)
         # position: the next (batch, iteration, microbatch) to yield; mid-batch, its microbatches
         self.batch_index, self.iteration, self.microbatch = 0, 0, 0
         self.batch: list[dict] | None = None
         self.policy, self.sampler, self.dp_group, self.writes_log = None, None, None, True
-        self.stats: OnlineStats | None = None
-        _DATASETS.append(self)
 
-    def attach(self, policy, parallel_dims) -> None:
-        """The parallelized policy to sample from; its GRPOStats get the online figures."""
-        self.policy = policy
+    def _start(self) -> None:
+        """The parallelized policy (built after this dataset) to sample from, its sampler and the DP group."""
+        self.policy, parallel_dims = self.job.policy, self.job.parallel_dims
+        if self.policy is None:
+            raise RuntimeError("online mode: the policy was never parallelized for this job (plugin.parallelize "
+                               "hands it over; is [model] name a grpo_* model?)")
         if parallel_dims.dp_enabled:
             self.dp_group = parallel_dims.get_optional_mesh("batch").get_group()
-        tp = parallel_dims.get_optional_mesh("tp") if parallel_dims.tp_enabled else None
-        self.writes_log = tp is None or tp.get_local_rank() == 0  # TP peers hold the same completions
-        self.stats = OnlineStats([f.name for f in self.reward_fns])
-        if policy.grpo_stats is not None:
-            policy.grpo_stats.online = self.stats
+        tp = parallel_dims.tp if parallel_dims.tp_enabled else 1
+        self.writes_log = tp == 1 or parallel_dims.get_optional_mesh("tp").get_local_rank() == 0  # TP peers agree
+        self.sampler = build_sampler(self.policy, kv_cache=self.cfg.kv_cache, max_new_tokens=self.cfg.max_new_tokens,
+                                     stop_ids=self.stop_ids, temperature=self.temperature, pad_id=self.pad_id)
 
     def __iter__(self):
         plan, mu = self.plan, self.cfg.num_iterations
@@ -135,25 +136,17 @@ class OnlineDataset(IterableDataset, Stateful):
                 self.batch = self.sample_batch(self.batch_index)
             record = self.batch[self.microbatch]
             r = record["rollouts"]
-            first = self.iteration == 0
-            r.keep_logprobs = first and mu > 1
-            r.sampler_logprobs = record["sampler_logprobs"] if first else None
-            if first:
-                r.old_logprobs = None
-            elif r.old_logprobs is None:
-                raise RolloutError("a replayed microbatch has no old log-probs: its first pass did not run")
+            # the first pass is on-policy and measures the sampler's log-probs; replays use the batch's old log-probs
+            old, sampler = (None, r.sampler_logprobs) if self.iteration == 0 else (record["old_logprobs"], None)
+            rollouts = Rollouts(r.advantages, r.rewards, r.loss_weights, old, sampler)
             self.microbatch += 1
-            yield {"input": record["input"], "labels": record["labels"], "rollouts": r}, record["labels"]
+            yield {"input": record["input"], "labels": record["labels"], "rollouts": rollouts}, record["labels"]
 
     @torch.no_grad()
     def sample_batch(self, index: int) -> list[dict]:
         """Sample, reward and cut global batch `index`: this rank's microbatches."""
-        if self.policy is None:
-            raise RuntimeError("online mode: no policy was attached to the dataset (plugin.model's parallelize "
-                               "function attaches it; is [model] name a grpo_* model?)")
         if self.sampler is None:
-            self.sampler = build_sampler(self.policy, kv_cache=self.cfg.kv_cache, max_new_tokens=self.cfg.max_new_tokens,
-                                         stop_ids=self.stop_ids, temperature=self.temperature, pad_id=self.pad_id)
+            self._start()
         plan, G = self.plan, self.plan.group_size
         if (epoch := self.stream.epoch_starting(index)) is not None:
             logger.info(f"Online prompts: epoch {epoch} starts at batch {index}")
@@ -198,8 +191,13 @@ class OnlineDataset(IterableDataset, Stateful):
             completions = [Completion(mine[s].ids + samples.completions[s], len(mine[s].ids), rewards[row],
                                       samples.logprobs[s]) for s, row in enumerate(rows, start=j * len(rows))]
             inputs, labels = self.collate(rewards_t, lens_t, rows, completions)
-            r = inputs["rollouts"]
-            batch.append(dict(input=inputs["input"], labels=labels, rollouts=r, sampler_logprobs=r.sampler_logprobs))
+            batch.append(dict(input=inputs["input"], labels=labels, rollouts=inputs["rollouts"]))
+        if self.cfg.num_iterations > 1:
+            # the replays' old log-probs: the policy's before any update from this batch
+            device = next(self.policy.parameters()).device
+            for record in batch:
+                record["old_logprobs"] = self.policy.logprobs(record["input"].to(device),
+                                                              record["labels"].to(device)).cpu()
         return batch
 
     def _log(self, index: int, mine: list[Prompt], texts, samples, totals, per_fn) -> None:
@@ -232,15 +230,11 @@ class OnlineDataset(IterableDataset, Stateful):
         self.batch_index, self.iteration, self.microbatch = (
             state_dict["batch_index"], state_dict["iteration"], state_dict["microbatch"])
         self.batch = state_dict.get("batch")
+        for record in self.batch or []:  # earlier versions kept the replays' old log-probs in the rollouts
+            record.setdefault("old_logprobs", record["rollouts"].old_logprobs)
 
 
-def attach(policy, parallel_dims) -> None:
-    """Hand the parallelized policy to the online datasets built in this process (called by plugin.model)."""
-    while _DATASETS:
-        _DATASETS.pop().attach(policy, parallel_dims)
-
-
-def build_online_dataset(job_config, tokenizer, encoder, batching):
+def build_online_dataset(job_config, job: GRPOJob, tokenizer, encoder, batching):
     """The online dataset for [training] dataset_path's prompts; `batching` (plugin.data) cuts batches as for files."""
     training, grpo, online, cfg = job_config.training, job_config.grpo, job_config.online, job_config.rollout_data
     G = online.num_generations
@@ -258,7 +252,8 @@ def build_online_dataset(job_config, tokenizer, encoder, batching):
     reward_fns = load_reward_fns(online.reward_funcs, online.reward_weights)
     prompts, skipped = load_prompts(training.dataset_path, encoder, tokenizer, fmt=cfg.format,
                                     max_new_tokens=online.max_new_tokens, on_error=cfg.on_error)
-    GRPOStats.skipped_rows = skipped
+    job.stats.skipped_rows = skipped
+    job.online_stats = OnlineStats([f.name for f in reward_fns])
     plan, collate = batching(G, len(prompts), "prompts", sampled=True)
     logger.info(
         f"Online GRPO: {len(prompts)} prompts from {training.dataset_path}, {plan.groups_per_step} per batch, "
@@ -267,4 +262,4 @@ def build_online_dataset(job_config, tokenizer, encoder, batching):
         + ", ".join(f"{f.weight:g} * {f.key.split('= ', 1)[1]}" for f in reward_fns)
     )
     return OnlineDataset(prompts, plan, collate, job_config.debug.seed or 0, online, reward_fns, tokenizer,
-                         collate.pad_id, stop_ids, grpo.temperature, job_config.job.dump_folder)
+                         collate.pad_id, stop_ids, grpo.temperature, job_config.job.dump_folder, job, job.online_stats)

@@ -1,6 +1,7 @@
 """The GRPO model's parallelize function: torchtitan's, applied to the policy and its reference alike, with tied
 embedding and output weights kept one parameter under TP and FSDP2."""
 
+import dataclasses
 from typing import Callable
 
 import torch
@@ -11,21 +12,22 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.models.llama3.infra.parallelize import disable_fsdp_gradient_division
 from torchtitan.tools.logging import logger
 
-from . import cpu
+from . import cpu, internals
 from .config import compiles_loss
-from .logprobs import chunk_tokens_for, isolate_compile_cache
+from .job import GRPOJob
+from .logprobs import Scoring, chunk_tokens_for
 from .loss import token_terms_fn
-from .metrics import GRPOStats
-from .model import ScoringConfig, ties_weights
+from .model import ties_weights
 from .reference import Reference
 
 
 def build_grpo_parallelize_fn(base_parallelize: Callable) -> Callable:
-    """Wrap torchtitan's parallelize function: parallelize the policy and its reference alike."""
+    """Wrap torchtitan's parallelize function: parallelize the policy and its reference alike, and configure both."""
 
     def parallelize_grpo(model: nn.Module, parallel_dims, job_config) -> nn.Module:
+        job = GRPOJob.of(job_config)
         if parallel_dims.tp_enabled and (job_config.compile.enable or job_config.reference_model.compile):
-            isolate_compile_cache(torch.distributed.get_rank())
+            internals.isolate_compile_cache(torch.distributed.get_rank())
 
         def parallelize(module: nn.Module) -> nn.Module:
             return parallelize_model(base_parallelize, module, parallel_dims, job_config)
@@ -34,29 +36,27 @@ def build_grpo_parallelize_fn(base_parallelize: Callable) -> Callable:
         model = parallelize(model)
         cpu.prepare_parallelized(model)
         grpo, seq_shards = job_config.grpo, parallel_dims.tp if parallel_dims.tp_enabled else 1
-        common = dict(
+        scoring = Scoring(
             temperature=grpo.temperature,
             chunk_size=grpo.logprob_chunk_size,
             # a chunk's fp32 logits on one rank stay within the budget, whatever the batch size
             chunk_tokens=grpo.logprob_chunk_tokens or chunk_tokens_for(grpo.logprob_chunk_mib,
                                                                        model.model_args.vocab_size, seq_shards),
             seq_shards=seq_shards,
-            compile_backend=job_config.compile.backend,
+            compiled=compiles_loss(job_config),
+            backend=job_config.compile.backend,
+            entropy_grad=grpo.entropy_coef > 0,
         )
-        model.scoring = ScoringConfig(
-            token_terms=token_terms_fn(job_config) if grpo.fused_policy_pass else None,
-            compile=compiles_loss(job_config), entropy_grad=job_config.grpo.entropy_coef > 0,
-            # torchtitan's FSDP policy for the last group: resharded after forward only with "always"
-            head_reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward == "always", **common,
-        )
-        model.grpo_stats = GRPOStats(job_config.grpo.on_nonfinite)
         if reference is not None:
-            reference.module.scoring = ScoringConfig(compile=job_config.reference_model.compile, entropy=False, **common)
-            model.reference = reference
-        if job_config.online.enable:
-            from .online import attach
-
-            attach(model, parallel_dims)  # the online dataset, built before the model, samples from it
+            ref_scoring = dataclasses.replace(scoring, compiled=job_config.reference_model.compile,
+                                              with_entropy=False, entropy_grad=False)
+            reference.module.configure(ref_scoring)
+        model.configure(
+            scoring, job.stats, reference, token_terms=token_terms_fn(job_config) if grpo.fused_policy_pass else None,
+            # torchtitan's FSDP policy for the last group: resharded after forward only with "always"
+            head_reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward == "always",
+        )
+        job.policy, job.parallel_dims = model, parallel_dims  # the online dataset samples from it
         return model
 
     return parallelize_grpo

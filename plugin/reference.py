@@ -11,7 +11,7 @@ clipping, FSDP gradient reduction and checkpoint/export of `model_parts` only se
    checkpoint_path, else the policy's weights; unless a full checkpoint restored it.
 4. sync: every sync_steps optimizer steps, an optimizer step post-hook moves it toward the policy.
 5. offload: with [reference_model] offload its weights visit the device only for its forward.
-6. checkpoint: saved with the optimizer's state, see `ReferenceInTrainingState`.
+6. checkpoint: saved with the optimizer's state, see plugin.optimizer.
 """
 
 import copy
@@ -28,8 +28,6 @@ from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.logging import logger
 
 from . import cpu
-from .config import reference_checkpoint_format
-from .guard import NonFiniteGuard
 
 # the reference's entries in the optimizer container's state dict (and so in full checkpoints)
 REFERENCE_PREFIX = "grpo_reference."
@@ -47,7 +45,7 @@ class Reference:
         r = job_config.reference_model
         self.module = module
         self.checkpoint_path, self.sync_steps, self.sync_alpha = r.checkpoint_path, r.sync_steps, r.sync_alpha
-        self.checkpoint_format = reference_checkpoint_format(r.checkpoint_path, r.checkpoint_format) if r.checkpoint_path else ""
+        self.checkpoint_format = r.checkpoint_format  # resolved from "auto" by plugin.config.validate_job
         self.sd_adapter = None
         if self.checkpoint_format == "hf":
             adapter_cls = get_train_spec(job_config.model.name).state_dict_adapter
@@ -99,15 +97,12 @@ class Reference:
             if self.offload:
                 self.module.to("cpu")
 
-    @torch.no_grad()
     def logprobs(self, policy: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, stats, **kwargs) -> torch.Tensor:
         """[B, T] log-probs of `labels` under the reference; its first call loads its weights."""
         self.load_once(policy, tokens.device)
         # the offload's transfers count toward the pass's time and peak memory
         with stats.reference_pass(tokens.device), self.on_device(tokens.device):
-            logprobs = self.module(tokens, labels=labels, **kwargs).logprobs
-            end_forward_only_iteration(self.module)
-        return logprobs
+            return self.module.logprobs(tokens, labels, **kwargs)
 
     def load_once(self, policy: nn.Module, device: torch.device) -> None:
         """The start-up weights ([reference_model] checkpoint_path, else the policy's) at the first forward, also
@@ -145,26 +140,6 @@ class Reference:
         logger.info("Reference model restored from the checkpoint")
 
 
-def end_forward_only_iteration(module: nn.Module) -> None:
-    """Reset an FSDP root's per-iteration records after a forward that no backward follows.
-
-    FSDP2 appends every group's forward to a post-forward order list that only the root's
-    post-backward callback clears; for the reference it would grow by one entry per group per pass.
-    """
-    if not isinstance(module, FSDPModule):
-        return
-    if hasattr(module, "reset_iter_state"):  # torch >= 2.13: also reshards and resets the training states
-        module.reset_iter_state()
-        return
-    state = module._get_fsdp_state()
-    state._comm_ctx.post_forward_order.clear()
-    for other in state._state_ctx.all_states:
-        # torch < 2.13 has one group per state (`_fsdp_param_group`)
-        for group in getattr(other, "_fsdp_param_groups", None) or [other._fsdp_param_group]:
-            if group is not None:
-                group._post_forward_indices.clear()
-
-
 def load_reference_checkpoint(reference: nn.Module, path: str, fmt: str, sd_adapter=None) -> None:
     """Load a DCP step folder (model-only or full) or an HF safetensors folder into the reference.
 
@@ -180,69 +155,3 @@ def load_reference_checkpoint(reference: nn.Module, path: str, fmt: str, sd_adap
         # a full checkpoint holds the model's entries at top level, next to "optimizer" etc.
         dcp.load(state_dict, checkpoint_id=path)
     set_model_state_dict(reference, state_dict)
-
-
-class ReferenceInTrainingState:
-    """Optimizer-container mixin: the reference is saved and restored with the optimizer's state.
-
-    The reference is training state, like the optimizer's moments: it belongs in full
-    checkpoints (a resume is exact, a synced reference survives) and never in the model-only or
-    HF export. In torchtitan 0.2.2 the optimizer container is the one state that full
-    checkpoints save and exports do not, and its builder constructs the container itself: so
-    the container's class is swapped for this mixin's subclass after it is built.
-    """
-
-    grpo_steps = 0  # optimizer steps taken, for [reference_model] sync_steps
-
-    def state_dict(self):
-        sd = super().state_dict()
-        reference = self.model_parts[0].reference
-        if reference is not None:
-            sd.update(reference.state_dict())
-        return sd
-
-    def load_state_dict(self, state_dict):
-        reference_sd = {k: state_dict.pop(k) for k in list(state_dict) if k.startswith(REFERENCE_PREFIX)}
-        super().load_state_dict(state_dict)
-        self.grpo_steps = _optimizer_steps(self)
-        reference = self.model_parts[0].reference
-        if reference_sd and reference is not None:
-            reference.load_state_dict(reference_sd)
-
-
-def _optimizer_steps(container) -> int:
-    """Steps taken, as Adam/AdamW (torchtitan's optimizers) count them in their state."""
-    for optimizer in container.optimizers:
-        for state in optimizer.state.values():
-            if "step" in state:
-                return int(state["step"])
-    return 0
-
-
-def _sync_after_step(container, args, kwargs) -> None:
-    """Optimizer step post-hook: every sync_steps steps, move the reference toward the policy."""
-    container.grpo_steps += 1
-    policy = container.model_parts[0]
-    reference = policy.reference
-    if container.grpo_steps % reference.sync_steps == 0:
-        with reference.on_device(next(policy.parameters()).device):
-            reference.sync(policy, reference.sync_alpha)
-        logger.info(f"Step {container.grpo_steps}: reference <- {reference.sync_alpha} * policy + "
-                    f"{1 - reference.sync_alpha:g} * reference")
-
-
-def build_grpo_optimizers_fn(base_build: Callable) -> Callable:
-    """torchtitan's optimizer builder, with the reference in the checkpointed state and its sync hook,
-    and no update from a step with a non-finite term (plugin.guard)."""
-
-    def build_grpo_optimizers(model_parts, optimizer_config, parallel_dims, *args, **kwargs):
-        container = base_build(model_parts, optimizer_config, parallel_dims, *args, **kwargs)
-        base = type(container)
-        container.__class__ = type(f"GRPO{base.__name__}", (NonFiniteGuard, ReferenceInTrainingState, base), {})
-        reference = model_parts[0].reference
-        if reference is not None and reference.sync_steps > 0:
-            # a resume restores the step count from the optimizer state (load_state_dict)
-            container.register_step_post_hook(_sync_after_step)
-        return container
-
-    return build_grpo_optimizers

@@ -41,7 +41,7 @@ class RolloutError(ValueError):
     """A rollout row that cannot be trained on; the message names the file, the line (or row) and the field."""
 
 
-class _Bad(Exception):
+class BadRow(Exception):
     """What is wrong with a row, before the row's location is added."""
 
 
@@ -57,9 +57,9 @@ class Completion:
 def _field(value, name: str, types: tuple, what: str):
     """`value` if it is there and its type is exactly one of `types` (a bool is not an int here)."""
     if value is None:
-        raise _Bad(f"missing field '{name}'")
+        raise BadRow(f"missing field '{name}'")
     if type(value) not in types:
-        raise _Bad(f"field '{name}' has type {type(value).__name__}, not {what}")
+        raise BadRow(f"field '{name}' has type {type(value).__name__}, not {what}")
     return value
 
 
@@ -70,7 +70,7 @@ def _number(value, name: str) -> float:
     except OverflowError:  # an int too large for a float
         number = math.inf
     if not math.isfinite(number):
-        raise _Bad(f"field '{name}' is {value}, not a finite number")
+        raise BadRow(f"field '{name}' is {value}, not a finite number")
     return number
 
 
@@ -82,11 +82,11 @@ def _one_of(row: dict, text_name: str, ids_name: str) -> tuple[object, str, bool
     """The value of whichever of the text / token-id fields the row gives, its name, and whether it is ids."""
     text, ids = row.get(text_name), row.get(ids_name)
     if text is not None and ids is not None:
-        raise _Bad(f"fields '{text_name}' and '{ids_name}' are both given; give one")
+        raise BadRow(f"fields '{text_name}' and '{ids_name}' are both given; give one")
     if ids is not None:
         return ids, ids_name, True
     if text is None:
-        raise _Bad(f"missing field '{text_name}' (or '{ids_name}')")
+        raise BadRow(f"missing field '{text_name}' (or '{ids_name}')")
     return text, text_name, False
 
 
@@ -95,7 +95,7 @@ def _logprobs(value, name: str, given: int, total: int) -> list[float]:
     value = _list(value, name)
     if len(value) not in (given, total):
         extra = f" ({total} with the appended EOS)" if total != given else ""
-        raise _Bad(f"field '{name}' has {len(value)} values, the completion has {given} tokens{extra}")
+        raise BadRow(f"field '{name}' has {len(value)} values, the completion has {given} tokens{extra}")
     out = []
     for v in value:
         if v is None:
@@ -103,7 +103,7 @@ def _logprobs(value, name: str, given: int, total: int) -> list[float]:
         elif (type(v) is float and not math.isinf(v)) or (type(v) is int and abs(v) < 2**53):
             out.append(float(v))
         else:
-            raise _Bad(f"field '{name}' holds {v!r}, not a finite log-prob or null")
+            raise BadRow(f"field '{name}' holds {v!r}, not a finite log-prob or null")
     return out + [math.nan] * (total - len(out))
 
 
@@ -141,16 +141,16 @@ class Encoder:
     def _ids(self, value, name: str) -> list[int]:
         value = _list(value, name)
         if not all(type(t) is int for t in value):
-            raise _Bad(f"field '{name}' is not a list of integer token ids")
+            raise BadRow(f"field '{name}' is not a list of integer token ids")
         self._check_vocab(value, name)
         return value
 
     def _check_vocab(self, ids: list[int], name: str) -> None:
         if not ids:
-            raise _Bad(f"field '{name}' is empty")
+            raise BadRow(f"field '{name}' is empty")
         lo, hi = min(ids), max(ids)
         if lo < 0 or hi >= self.vocab_size:
-            raise _Bad(f"field '{name}' has token id {hi if hi >= self.vocab_size else lo}, "
+            raise BadRow(f"field '{name}' has token id {hi if hi >= self.vocab_size else lo}, "
                        f"outside the model's vocabulary [0, {self.vocab_size})")
 
     def prompt(self, row: dict) -> list[int]:
@@ -176,16 +176,16 @@ class Encoder:
             ids = self._ids(value, name)
         else:
             if type(value) is not str:  # not _field: a null in a grouped row's list is no missing field
-                raise _Bad(f"field '{name}' has type {type(value).__name__}, not str")
+                raise BadRow(f"field '{name}' has type {type(value).__name__}, not str")
             if not value:
-                raise _Bad(f"field '{name}' is empty")
+                raise BadRow(f"field '{name}' is empty")
             ids = self._text_ids(value)
             self._check_vocab(ids, name)
         given = len(ids)
         if not is_ids and self.eos_id is not None:
             ids.append(self.eos_id)
         if len(prompt) + len(ids) - 1 > self.seq_len:  # the input drops the last token
-            raise _Bad(f"field '{name}': prompt + completion is {len(prompt) + len(ids)} tokens, "
+            raise BadRow(f"field '{name}': prompt + completion is {len(prompt) + len(ids)} tokens, "
                        f"more than [training] seq_len + 1 = {self.seq_len + 1}")
         behaviour = None if logprobs is None else _logprobs(logprobs, f"logprobs{at}", given, len(ids))
         ref = None if ref_logprobs is None else _logprobs(ref_logprobs, f"ref_logprobs{at}", given, len(ids))
@@ -201,15 +201,15 @@ class Encoder:
         value, name, is_ids = _one_of(row, "completions", "completions_ids")
         items, rewards = _list(value, name), _list(row.get("rewards"), "rewards")
         if not items:
-            raise _Bad(f"field '{name}' is empty")
+            raise BadRow(f"field '{name}' is empty")
         if len(rewards) != len(items):
-            raise _Bad(f"field 'rewards' has {len(rewards)} values for {len(items)} completions")
+            raise BadRow(f"field 'rewards' has {len(rewards)} values for {len(items)} completions")
         rewards = [_number(r, f"rewards[{k}]") for k, r in enumerate(rewards)]
         per_completion = {}
         for field in ("logprobs", "ref_logprobs"):
             lists = row.get(field)
             if lists is not None and len(_list(lists, field)) != len(items):
-                raise _Bad(f"field '{field}' has {len(lists)} lists for {len(items)} completions")
+                raise BadRow(f"field '{field}' has {len(lists)} lists for {len(items)} completions")
             per_completion[field] = lists or [None] * len(items)
         logprobs, ref_logprobs = per_completion["logprobs"], per_completion["ref_logprobs"]
         prompt = self.prompt(row)
@@ -217,17 +217,17 @@ class Encoder:
                 for k, item in enumerate(items)]
 
 
-def _parse_json(raw: bytes) -> dict | _Bad:
+def _parse_json(raw: bytes) -> dict | BadRow:
     try:
         row = json.loads(raw)
     except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
-        return _Bad(f"not valid JSON ({getattr(e, 'msg', e)})")
+        return BadRow(f"not valid JSON ({getattr(e, 'msg', e)})")
     if not isinstance(row, dict):
-        return _Bad(f"expected a JSON object, got {type(row).__name__}")
+        return BadRow(f"expected a JSON object, got {type(row).__name__}")
     return row
 
 
-class _JsonlFile:
+class JsonlFile:
     grouped: bool | None = None  # known once a row is read
 
     def __init__(self, path: str):
@@ -246,7 +246,7 @@ class _JsonlFile:
         return self.where(lines)
 
     def scan(self):
-        """(line, byte offset, row or _Bad) for every non-blank line."""
+        """(line, byte offset, row or BadRow) for every non-blank line."""
         with open(self.path, "rb") as f:
             offset = 0
             for line, raw in enumerate(f, start=1):
@@ -254,7 +254,7 @@ class _JsonlFile:
                     yield line, offset, _parse_json(raw)
                 offset += len(raw)
 
-    def read(self, offsets) -> dict[int, dict | _Bad]:
+    def read(self, offsets) -> dict[int, dict | BadRow]:
         rows = {}
         with open(self.path, "rb") as f:
             for offset in sorted(set(offsets)):
@@ -263,7 +263,7 @@ class _JsonlFile:
         return rows
 
 
-class _ParquetFile:
+class ParquetFile:
     def __init__(self, path: str, every_column: bool = False):
         self.path = path
         meta = self._open().metadata
@@ -322,7 +322,7 @@ class RolloutIndex:
     """
 
     path: str
-    source: "_JsonlFile | _ParquetFile"
+    source: "JsonlFile | ParquetFile"
     encoder: Encoder
     grouped: bool
     group_size: int
@@ -363,11 +363,11 @@ class RolloutIndex:
             try:
                 if offset not in parsed:
                     row = rows[offset]
-                    if isinstance(row, _Bad):
+                    if isinstance(row, BadRow):
                         raise row
                     parsed[offset] = self.encoder.grouped(row) if self.grouped else [self.encoder.flat(row)]
                 c = parsed[offset][self.slots[i]]
-            except _Bad as e:
+            except BadRow as e:
                 raise RolloutError(f"{self.path} (row at {offset}): {e}; the file changed after it was indexed") from None
             if len(c.tokens) - c.prompt_len != self.lengths[i]:
                 raise RolloutError(f"{self.path} (row at {offset}): the completion changed after the file was indexed")
@@ -403,8 +403,8 @@ def index_rollouts(path: str, encoder: Encoder, *, fmt: str = "auto", group_size
     if not os.path.isfile(path):
         raise FileNotFoundError(f"[training] dataset_path = {path!r}: no such rollout file")
     st = os.stat(path)  # before the pass: a change during it shows at the first read
-    source = _JsonlFile(path) if rollout_format(path, fmt) == "jsonl" else _ParquetFile(path)
-    if isinstance(source, _ParquetFile) and source.largest_row_group > 256 * 2**20:
+    source = JsonlFile(path) if rollout_format(path, fmt) == "jsonl" else ParquetFile(path)
+    if isinstance(source, ParquetFile) and source.largest_row_group > 256 * 2**20:
         logger.warning(f"{path}: a row group of {source.largest_row_group / 2**20:.0f} MiB is decoded whole for "
                        "every batch that touches it; write the file with smaller row groups (README)")
     cols, problems, rows, orphans = _Columns(), [], 0, 0
@@ -413,14 +413,14 @@ def index_rollouts(path: str, encoder: Encoder, *, fmt: str = "auto", group_size
         rows += 1
         key = None
         try:
-            if isinstance(row, _Bad):
+            if isinstance(row, BadRow):
                 raise row
             if grouped is None:
                 grouped = any(name in row for name in GROUPED_FIELDS)
             # a grouped row is its own group; a flat row's key comes first so a bad row can spoil its group
             key = rows if grouped else _group_key(row)
             completions = encoder.grouped(row) if grouped else [encoder.flat(row)]
-        except _Bad as e:
+        except BadRow as e:
             report(problems, on_error, f"{source.where(line)}: {e}")
             if key is None:
                 orphans += 1  # no group to spoil

@@ -8,7 +8,8 @@ noise, so they pick the same tokens.
 1. Full vocabulary at `temperature`, no top-k/top-p: the log-probs are exact.
 2. Gumbel-max with noise hashed from (key, token index, vocab id): a sequence's draws depend on
    its key alone, not on the rank layout or the batch it shares.
-3. Every step goes through `model(...)`, so FSDP's hooks run; compiled blocks run eagerly.
+3. Every step goes through `model(...)` or `model.hidden_states(...)`, so FSDP's hooks run; compiled
+   blocks run eagerly.
 4. Sequences that have stopped keep decoding (discarded) until all have, on every rank.
 """
 
@@ -25,7 +26,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
 
-from .reference import end_forward_only_iteration
+from . import internals
 
 
 @dataclass
@@ -111,32 +112,35 @@ def _any_rank(flag: bool, device) -> bool:
     return bool(x.item())
 
 
+def max_prompt_tokens(seq_len: int, max_new_tokens: int) -> int:
+    """The longest prompt that can be sampled from: its last new token is drawn at position
+    len(prompt) + max_new_tokens - 2, and RoPE covers positions below [training] seq_len (the
+    model's max_seq_len); also the longest whose completion fits a training sequence of seq_len + 1."""
+    return seq_len + 1 - max_new_tokens
+
+
 @contextmanager
 def generation_mode(model: nn.Module):
     """No grad, compiled blocks run eagerly, FSDP's parameters stay gathered across forwards; clean after.
 
     The root's own groups are left alone: torchtitan's root holds no parameters, and FSDP
-    already keeps a root's gathered after forward. Everything is resharded at the end, and
-    the root's per-iteration records reset, so the training forward that follows starts clean.
+    already keeps a root's gathered after forward. Every group's own reshard-after-forward
+    setting is put back, everything is resharded at the end, and the root's per-iteration
+    records reset, so the training forward that follows starts clean.
     """
-    saved = {}  # one entry per group: fully_shard([norm, output]) puts one group on two modules
-    for m in model.modules():
-        if isinstance(m, FSDPModule) and m is not model:
-            state = m._get_fsdp_state()
-            # torch < 2.13 has one group per state (`_fsdp_param_group`), as in plugin.reference
-            for group in getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]:
-                if group is not None and id(group) not in saved:
-                    saved[id(group)] = (group, group.post_forward_mesh_info)
-                    group.post_forward_mesh_info = None  # what set_reshard_after_forward(False) sets
+    groups = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
+    saved = [(m, internals.reshards_after_forward(m)) for m in groups]
+    for m in groups:
+        m.set_reshard_after_forward(False, recurse=False)
     try:
         # fullgraph-compiled blocks would recompile for every new shape and for the swapped modules;
         # qwen3's TP plan makes the RoPE table a Replicate DTensor, which plain positions then index
         with torch.no_grad(), torch.compiler.set_stance("force_eager"), implicit_replication():
             yield
     finally:
-        for group, info in saved.values():
-            group.post_forward_mesh_info = info
-        end_forward_only_iteration(model)
+        for m, reshard in saved:
+            m.set_reshard_after_forward(reshard, recurse=False)
+        internals.end_forward_only_iteration(model)
         for m in model.modules():
             if isinstance(m, FSDPModule):
                 m.reshard()
@@ -145,10 +149,7 @@ def generation_mode(model: nn.Module):
 class _BaseSampler:
     def __init__(self, model: nn.Module, *, max_new_tokens: int, stop_ids: Sequence[int], temperature: float,
                  pad_id: int):
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if not temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
+        """`max_new_tokens` >= 1 and `temperature` > 0: [online] and [grpo] check them."""
         self.model, self.max_new_tokens, self.temperature, self.pad_id = model, max_new_tokens, temperature, pad_id
         self.stop_ids = list(stop_ids)
         self.tp = model.scoring.seq_shards  # sequence parallel shards the sequence dim over the TP ranks
@@ -159,13 +160,12 @@ class _BaseSampler:
         """Raise on every rank if a prompt on any rank cannot be sampled from, rather than leave peers waiting."""
         if len(keys) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(keys)} keys")
-        error = None
+        error, limit = None, max_prompt_tokens(self.max_seq_len, self.max_new_tokens)
         for i, p in enumerate(prompts):
-            # the last new token is drawn from position len(p) + max_new_tokens - 2
-            if not p or len(p) + self.max_new_tokens - 1 > self.max_seq_len:
-                error = (f"prompt {i} has {len(p)} tokens: it needs 1 to {self.max_seq_len + 1 - self.max_new_tokens} "
-                         f"with max_new_tokens = {self.max_new_tokens} and RoPE positions below "
-                         f"{self.max_seq_len} (the model's max_seq_len, [training] seq_len)")
+            if not 1 <= len(p) <= limit:
+                error = (f"prompt {i} has {len(p)} tokens: it needs 1 to {limit} with max_new_tokens = "
+                         f"{self.max_new_tokens} and RoPE positions below {self.max_seq_len} (the model's "
+                         "max_seq_len, [training] seq_len)")
                 break
         if _any_rank(error is not None, self.device):
             raise ValueError(error or "a prompt on another rank cannot be sampled from (see that rank's error)")
@@ -270,8 +270,8 @@ class KVCacheSampler(_BaseSampler):
             m.inner_attention = KVCache(state, rows, cache_len)
         try:
             # all but each prompt's last token; its logits are not needed
-            self.model(self._padded([p[:-1] for p in prompts], prefill), trunk_only=True,
-                       positions=self._positions(prefill))
+            self.model.hidden_states(self._padded([p[:-1] for p in prompts], prefill),
+                                     positions=self._positions(prefill))
             pad = [self.pad_id] * (rows - B)
             last = torch.tensor([p[-1] for p in prompts] + pad, device=self.device)  # [B']
             start = torch.tensor([n - 1 for n in lengths] + [0] * (rows - B), device=self.device)

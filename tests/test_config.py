@@ -105,19 +105,18 @@ def test_bad_combinations_name_the_keys(overrides, message):
 
 
 def test_validate_job_runs_once_at_start_up(monkeypatch):
-    """Only the dataloader builder, the first of the GRPO TrainSpec's builders torchtitan calls, validates."""
-    import plugin.data
+    """The job's checks run once, when the first of the GRPO TrainSpec's builders asks for the job's GRPOJob."""
+    import plugin.job
     import plugin.loss
-    import plugin.model
-    import plugin.parallelize
+    import plugin.metrics
 
     calls = []
-    monkeypatch.setattr(plugin.data, "validate_job", lambda cfg: calls.append(cfg))
-    for module in (plugin.loss, plugin.model, plugin.parallelize):
-        assert not hasattr(module, "validate_job") and not hasattr(module, "validate")
+    monkeypatch.setattr(plugin.job, "validate_job", lambda cfg: calls.append(cfg))
     cfg = parse()
     plugin.loss.build_grpo_loss(cfg)
-    assert calls == []
+    plugin.loss.build_grpo_loss(cfg)
+    plugin.job.GRPOJob.of(cfg)
+    assert calls == [cfg]
 
 
 # every key of the plugin's sections, with a value out of its range ("" where any value is in range)

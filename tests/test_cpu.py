@@ -133,16 +133,15 @@ def test_rowwise_output_redistribute_is_blocking(mesh, monkeypatch):
 
 def test_reference_pass_keeps_the_step_peak_for_torchtitans_memory_tags():
     """The reference pass resets the peak to measure itself; memory/max_* must still see the step's peak."""
-    from types import SimpleNamespace
-
     from torchtitan.components.metrics import DeviceMemoryMonitor
 
-    from plugin.metrics import GRPOStats, PeakKeepingMemoryMonitor
+    from plugin.metrics import PeakKeepingMemoryMonitor
+    from plugin.stats import GRPOStats
 
     if not plugin.cpu.reset_peak_rss():
         pytest.skip("the kernel refuses to reset the peak RSS")
     stats = GRPOStats()
-    monitor = PeakKeepingMemoryMonitor(DeviceMemoryMonitor("cpu"), SimpleNamespace(model_parts=[SimpleNamespace(grpo_stats=stats)]))
+    monitor = PeakKeepingMemoryMonitor(DeviceMemoryMonitor("cpu"), stats)
     monitor.reset_peak_stats()
     x = torch.ones(50 * MB, dtype=torch.float32)  # an earlier microbatch's policy pass: 200 MB
     policy_peak = plugin.cpu.peak_rss_bytes()

@@ -15,8 +15,9 @@ from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
 from conftest import REPO, parse_config
 from plugin.config import GRPO
-from plugin.data import BatchPlan, Collate, RolloutDataset, advantages, build_rollout_dataloader, loss_weights
-from plugin.metrics import GRPOStats
+from plugin.batch import BatchPlan, Collate, advantages, loss_weights
+from plugin.data import RolloutDataset, build_rollout_dataloader
+from plugin.job import GRPOJob
 from plugin.rollouts import Encoder, RolloutError, index_rollouts
 
 VOCAB = 2048  # the bundled tokenizer's and the llama3 debugmodel's
@@ -316,10 +317,11 @@ def test_builder_skips_and_exposes_the_count(tmp_path, tokenizer):
     path = write(tmp_path / "r.jsonl", rows)
     with pytest.raises(RolloutError, match=r"r.jsonl:6: field 'reward' is inf"):
         build_rollout_dataloader(1, 0, tokenizer, parse_config("--training.dataset_path", path))
-    loader = build_rollout_dataloader(1, 0, tokenizer, parse_config("--training.dataset_path", path, "--rollout_data.on_error",
-                                                             "skip", "--training.local_batch_size", "8"))
+    cfg = parse_config("--training.dataset_path", path, "--rollout_data.on_error", "skip", "--training.local_batch_size",
+                       "8")
+    loader = build_rollout_dataloader(1, 0, tokenizer, cfg)
     assert loader.dataset.index.num_groups == 7
-    assert GRPOStats().reduce(None, torch.device("cpu"))["grpo/skipped_rows"] == 4
+    assert GRPOJob.of(cfg).stats.reduce(None, torch.device("cpu"))["grpo/skipped_rows"] == 4
     inputs, labels = next(iter(loader))
     assert inputs["input"].shape == (8, 16) and inputs["rollouts"].advantages.shape == (8,)
 

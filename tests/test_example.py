@@ -234,7 +234,7 @@ def test_warmup_companion_gets_no_gradient(tokenizer):
     import torch
 
     from plugin.config import GRPO
-    from plugin.data import Collate
+    from plugin.batch import Collate
     from plugin.logprobs import compute_logprobs
     from plugin.loss import grpo_loss, grpo_token_terms
     from plugin.rollouts import Encoder, index_rollouts
@@ -251,7 +251,7 @@ def test_warmup_companion_gets_no_gradient(tokenizer):
     logprobs = compute_logprobs(logits, labels)
     pred = SimpleNamespace(logprobs=logprobs, old_logprobs=rollouts.old_logprobs, ref_logprobs=None,
                            advantages=rollouts.advantages, loss_weights=rollouts.loss_weights,
-                           entropy=torch.zeros_like(logprobs), stats=None)
+                           entropy=torch.zeros_like(logprobs), fused_loss=None)
     grpo_loss(pred, labels, token_terms_fn=partial(grpo_token_terms, clip_low=0.2, clip_high=0.2, beta=0.0,
                                                     kl_estimator="k3")).backward()
     right = rewards == 1

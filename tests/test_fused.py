@@ -18,8 +18,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from conftest import build_model, run_ranks
-from plugin.data import Rollouts, loss_weights
-from plugin.logprobs import blocked_logprobs, chunked_logprobs, compute_logprobs_and_entropy, fused_chunked_loss
+from plugin.batch import Rollouts, loss_weights
+from plugin.logprobs import Scoring, blocked_logprobs, chunked_logprobs, compute_logprobs_and_entropy, fused_chunked_loss
 from test_logprobs import (
     SAME_TOL,
     TOL,
@@ -79,7 +79,7 @@ def train(fused: bool, mode: str, *extra: str, microbatches: int = 1, parallel_d
         loss = loss_fn(pred, labels)
         loss.backward()
         losses.append(loss.detach())
-    stats = model.grpo_stats.device_sums.clone()
+    stats = model.stats.device_sums.clone()
     full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t.clone()  # noqa: E731
     return losses, {n: full(p.grad) for n, p in model.named_parameters()}, stats
 
@@ -125,8 +125,7 @@ def test_fused_head_runs_once_per_chunk():
     calls = []
     head.norm.register_forward_hook(lambda mod, args, out: calls.append(args[0].shape[1]))
     h = hidden.clone().requires_grad_()
-    loss, logprobs, _ = fused_chunked_loss(h, labels, head.norm, head.output.weight,
-                                           lambda lp, ent, index: (lp * w.view(-1)[index]).sum(), chunk_tokens=10)
+    loss, logprobs, _ = fused_chunked_loss(h, labels, head.norm, head.output.weight, lambda lp, ent, index: (lp * w.view(-1)[index]).sum(), Scoring(chunk_tokens=10))
     assert len(calls) == 10 and sum(calls) == 2 * Tn
     loss.backward()
     assert len(calls) == 10
@@ -162,11 +161,9 @@ def test_fused_vocab_blocks(vocab_block, chunk_tokens):
     want_loss = _autograd_loss(head, h, labels, token_loss, temperature)
     want_h, *want_grads = torch.autograd.grad(want_loss, [h, *head.parameters()])
     with torch.no_grad():
-        want_lp, want_ent = chunked_logprobs(hidden, labels, head, temperature=temperature)
+        want_lp, want_ent = chunked_logprobs(hidden, labels, head, Scoring(temperature=temperature))
     h = hidden.clone().requires_grad_()
-    loss, logprobs, entropy = fused_chunked_loss(h, labels, head.norm, head.output.weight, token_loss,
-                                                 temperature=temperature, chunk_tokens=chunk_tokens,
-                                                 entropy_grad=True, vocab_block=vocab_block)
+    loss, logprobs, entropy = fused_chunked_loss(h, labels, head.norm, head.output.weight, token_loss, Scoring(temperature=temperature, chunk_tokens=chunk_tokens, entropy_grad=True, vocab_block=vocab_block))
     loss.backward()
     # fp32, the same math in another summation order
     torch.testing.assert_close(loss, want_loss, **SAME_TOL["value"])
@@ -184,14 +181,12 @@ def test_blocked_logprobs(vocab_block, chunk_tokens):
     Tn, V, temperature = 47, 1271, 0.7
     head, hidden, labels = Head(16, V), make_hidden(Tn), make_labels(Tn, V)
     with torch.no_grad():
-        want_lp, want_ent = chunked_logprobs(hidden, labels, head, temperature=temperature)
-    logprobs, entropy = blocked_logprobs(hidden, labels, head.norm, head.output.weight, temperature=temperature,
-                                         chunk_tokens=chunk_tokens, vocab_block=vocab_block)
+        want_lp, want_ent = chunked_logprobs(hidden, labels, head, Scoring(temperature=temperature))
+    logprobs, entropy = blocked_logprobs(hidden, labels, head.norm, head.output.weight, Scoring(temperature=temperature, chunk_tokens=chunk_tokens, vocab_block=vocab_block))
     assert not logprobs.requires_grad and (logprobs[labels == -100] == 0).all()
     torch.testing.assert_close(logprobs, want_lp, **SAME_TOL["value"])
     torch.testing.assert_close(entropy, want_ent, **SAME_TOL["value"])
-    only_logprobs, none = blocked_logprobs(hidden, labels, head.norm, head.output.weight, temperature=temperature,
-                                           chunk_tokens=chunk_tokens, vocab_block=vocab_block, with_entropy=False)
+    only_logprobs, none = blocked_logprobs(hidden, labels, head.norm, head.output.weight, Scoring(temperature=temperature, chunk_tokens=chunk_tokens, vocab_block=vocab_block, with_entropy=False))
     assert none is None and torch.equal(only_logprobs, logprobs)
 
 
@@ -201,8 +196,8 @@ def test_blocked_logprobs_compiled(tmp_path, monkeypatch):
     Tn, V = 47, 1271
     head, hidden, labels = Head(16, V), make_hidden(Tn), make_labels(Tn, V)
     args = (hidden, labels, head.norm, head.output.weight)
-    want = blocked_logprobs(*args, chunk_tokens=13, vocab_block=100)
-    got = blocked_logprobs(*args, chunk_tokens=13, vocab_block=100, compiled=True)
+    want = blocked_logprobs(*args, Scoring(chunk_tokens=13, vocab_block=100))
+    got = blocked_logprobs(*args, Scoring(chunk_tokens=13, vocab_block=100, compiled=True))
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, **SAME_TOL["value"])
 
@@ -269,9 +264,7 @@ def _tp_fused(rank, world_size, out_dir):
         head = _tp_head(mesh, V)
         h = hidden[:, local].clone().requires_grad_()
         with loss_parallel():
-            loss, logprobs, entropy = fused_chunked_loss(h, labels, head.norm, head.output.weight, token_loss,
-                                                         temperature=temperature, chunk_tokens=chunk_tokens,
-                                                         seq_shards=2, entropy_grad=True, vocab_block=vocab_block)
+            loss, logprobs, entropy = fused_chunked_loss(h, labels, head.norm, head.output.weight, token_loss, Scoring(temperature=temperature, chunk_tokens=chunk_tokens, seq_shards=2, entropy_grad=True, vocab_block=vocab_block))
             loss.backward()
         got = [loss, logprobs, entropy, h.grad, head.norm.weight.grad.full_tensor(),
                head.output.weight.grad.full_tensor()]
@@ -296,17 +289,13 @@ def _tp_fused(rank, world_size, out_dir):
 
     def check_blocked(chunk_tokens, vocab_block):
         head = _tp_head(mesh, V)
-        logprobs, entropy = blocked_logprobs(hidden[:, local], labels, head.norm, head.output.weight,
-                                             temperature=temperature, chunk_tokens=chunk_tokens, seq_shards=2,
-                                             vocab_block=vocab_block)
+        logprobs, entropy = blocked_logprobs(hidden[:, local], labels, head.norm, head.output.weight, Scoring(temperature=temperature, chunk_tokens=chunk_tokens, seq_shards=2, vocab_block=vocab_block))
         full = lambda p: p.full_tensor().double()  # noqa: E731
         logits = ref_head(hidden.double(), full(head.norm.weight), full(head.output.weight), head.norm.eps)
         what = f"TP=2 blocked chunk_tokens={chunk_tokens} vocab_block={vocab_block}"
         close(logprobs, ref_logprobs(logits, labels, temperature), TOL[torch.float32]["value"], f"{what}: log-probs")
         close(entropy, ref_entropy(logits, temperature), TOL[torch.float32]["value"], f"{what}: entropy")
-        only_logprobs, none = blocked_logprobs(hidden[:, local], labels, head.norm, head.output.weight,
-                                               temperature=temperature, chunk_tokens=chunk_tokens, seq_shards=2,
-                                               vocab_block=vocab_block, with_entropy=False)
+        only_logprobs, none = blocked_logprobs(hidden[:, local], labels, head.norm, head.output.weight, Scoring(temperature=temperature, chunk_tokens=chunk_tokens, seq_shards=2, vocab_block=vocab_block, with_entropy=False))
         assert none is None and torch.equal(only_logprobs, logprobs), f"{what}: log-probs without the entropy"
 
     for chunk_tokens, vocab_block in TP_CASES:

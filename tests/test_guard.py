@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import CONFIG, build_model, check, torchrun
-from plugin.data import Rollouts
+from plugin.batch import Rollouts
 from plugin.guard import NonFiniteError
 from plugin.loss import build_grpo_loss
 
@@ -75,11 +75,11 @@ def test_skip_drops_the_update_counts_it_and_goes_on(term, monkeypatch):
     before = weights(model)
     train_step(model, container, loss_fn, term, monkeypatch)
     assert all(torch.equal(a, b) for a, b in zip(before, weights(model)))
-    assert model.grpo_stats.skipped_steps == 1
+    assert model.stats.skipped_steps == 1
     train_step(model, container, loss_fn, None, monkeypatch, seed=1)  # the next clean step trains
     assert not all(torch.equal(a, b) for a, b in zip(before, weights(model)))
     assert all(torch.isfinite(p).all() for p in model.parameters())
-    assert model.grpo_stats.reduce(None, torch.device("cpu"))["grpo/skipped_steps"] == 1
+    assert model.stats.reduce(None, torch.device("cpu"))["grpo/skipped_steps"] == 1
 
 
 def test_step_count_survives_a_resume(monkeypatch):

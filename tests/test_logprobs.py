@@ -30,13 +30,14 @@ from torch.utils._pytree import tree_leaves
 from torchtitan.components.loss import IGNORE_INDEX
 
 from conftest import run_ranks
+from plugin.internals import isolate_compile_cache
 from plugin.logprobs import (
+    Scoring,
     chunk_tokens_for,
     chunked_logprobs,
     compute_entropy,
     compute_logprobs,
     compute_logprobs_and_entropy,
-    isolate_compile_cache,
     maybe_compiled,
 )
 
@@ -257,10 +258,7 @@ def run_chunked(head: Head, hidden, labels, w, *, temperature, chunk_size, seq_s
     head.zero_grad(set_to_none=True)
     # under TP, backward must also run inside loss_parallel
     with loss_parallel() if seq_shards > 1 else contextlib.nullcontext(), log or contextlib.nullcontext():
-        logprobs, entropy = chunked_logprobs(
-            h, labels, lambda x: head.output(head.norm(x)), temperature=temperature, chunk_size=chunk_size,
-            chunk_tokens=chunk_tokens, seq_shards=seq_shards, compiled=compiled, entropy_grad=entropy_w is not None,
-        )
+        logprobs, entropy = chunked_logprobs(h, labels, lambda x: head.output(head.norm(x)), Scoring(temperature=temperature, chunk_size=chunk_size, chunk_tokens=chunk_tokens, seq_shards=seq_shards, compiled=compiled, entropy_grad=entropy_w is not None))
         loss = (logprobs * w).sum()
         if entropy_w is not None:
             loss = loss + (entropy * entropy_w).sum()
@@ -318,7 +316,7 @@ def test_chunk_tokens_do_not_grow_with_the_batch(batch):
     hidden = torch.randn(batch, T, D, generator=torch.Generator().manual_seed(0))
     labels = torch.randint(V, (batch, T), generator=torch.Generator().manual_seed(1))
     calls = []
-    chunked_logprobs(hidden, labels, lambda x: calls.append(x.shape[:2]) or head(x), chunk_tokens=16)
+    chunked_logprobs(hidden, labels, lambda x: calls.append(x.shape[:2]) or head(x), Scoring(chunk_tokens=16))
     assert max(n for _, n in calls) == 16 and sum(n for _, n in calls) == batch * T
 
 
@@ -355,21 +353,21 @@ def test_chunks_recomputed_in_backward(chunk_size, chunks):
         return head(x)
 
     h = hidden.clone().requires_grad_()
-    logprobs, _ = chunked_logprobs(h, labels, counting_head, chunk_size=chunk_size)
+    logprobs, _ = chunked_logprobs(h, labels, counting_head, Scoring(chunk_size=chunk_size))
     assert len(calls) == chunks and sum(calls) == B * T
     logprobs.sum().backward()
     assert len(calls) == (2 * chunks if chunks > 1 else 1)
 
     calls.clear()
     with torch.no_grad():
-        chunked_logprobs(hidden, labels, counting_head, chunk_size=chunk_size)
+        chunked_logprobs(hidden, labels, counting_head, Scoring(chunk_size=chunk_size))
     assert len(calls) == chunks
 
 
 def test_chunked_rejects_wrong_shard_length():
     head, labels = Head(D, 64), make_labels(8, 64)
     with pytest.raises(ValueError):
-        chunked_logprobs(make_hidden(8)[:, :3], labels, head, seq_shards=2)
+        chunked_logprobs(make_hidden(8)[:, :3], labels, head, Scoring(seq_shards=2))
 
 
 def test_compiled_tp1(tmp_path, monkeypatch):
@@ -709,10 +707,3 @@ def test_shared_compile_cache_breaks_tp(tp_compiled):
     """Why isolate_compile_cache exists: a rank that loads the other rank's compiled log-probs gets wrong values."""
     assert_check_passed(tp_compiled, "shared_cache")
 
-
-def test_isolate_compile_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    isolate_compile_cache(1)
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "rank_1")
-    isolate_compile_cache(1)  # idempotent: parallelize may call it for several model parts
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "rank_1")

@@ -6,7 +6,7 @@ import torch
 from conftest import REPO, parse_config
 from torchtitan.config import ConfigManager
 from plugin.loss import build_grpo_loss, grpo_token_terms, kl_penalty
-from plugin.metrics import GRPOStats
+from plugin.job import GRPOJob
 from plugin.model import PolicyOutput
 from torchtitan.components.loss import IGNORE_INDEX
 
@@ -104,12 +104,12 @@ def test_on_policy_loss_sum_and_gradient():
     """On-policy (old = lp.detach()): loss = -sum(A * mask) and d/dlp = -A * mask, plus beta * k3 terms."""
     job = ConfigManager().parse_args(["--job.config_file", str(REPO / "train_configs/debug_cpu.toml"), "--grpo.beta", "0"])
     loss_fn = build_grpo_loss(job)
+    stats = GRPOJob.of(job).stats  # what the loss records its metrics in
     lp = torch.randn(3, 6).requires_grad_()
     labels = torch.randint(0, 10, (3, 6))
     labels[:, :2] = IGNORE_INDEX
     adv = torch.tensor([1.0, -0.5, 0.25])
-    stats = GRPOStats()
-    pred = PolicyOutput(lp, torch.ones(3, 6), None, None, adv, torch.tensor([1.0, 0.0, 0.5]), torch.ones(3), stats)
+    pred = PolicyOutput(lp, torch.ones(3, 6), None, None, adv, torch.tensor([1.0, 0.0, 0.5]), torch.ones(3))
     loss = loss_fn(pred, labels)
     mask = (labels != IGNORE_INDEX).float()
     assert loss.item() == pytest.approx(-(adv[:, None] * mask).sum().item())
@@ -242,7 +242,7 @@ def test_kl_options_come_from_the_config():
     labels = torch.zeros(1, 4, dtype=torch.long)
     adv, ones = torch.tensor([0.5], dtype=torch.float64), torch.ones(1, dtype=torch.float64)
     pred = PolicyOutput(logprobs=lp, entropy=torch.zeros_like(lp), ref_logprobs=ref, old_logprobs=old, advantages=adv,
-                        rewards=ones, loss_weights=ones, stats=None)
+                        rewards=ones, loss_weights=ones)
     for clamp, cap, correction in [(20.0, 10.0, False), (0.0, 0.0, True), (3.0, 0.0, False), (0.0, 5.0, True)]:
         flags = ["--grpo.use_bias_correction_kl"] if correction else []
         job = parse_config("--grpo.kl_log_ratio_clamp", str(clamp), "--grpo.kl_max", str(cap), *flags)

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import run_ranks
-from plugin.metrics import GRPOStats
+from plugin.stats import GRPOStats
 
 SYNCING = ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy")
 
@@ -21,13 +21,14 @@ def microbatch(seed: int, B: int = 3, T: int = 11):
         kl=torch.rand(B, T, generator=g) * mask, ratio=ratio,
         clipped_low=(ratio < 0.8) & (adv[:, None] < 0) & mask, clipped_high=(ratio > 1.2) & (adv[:, None] > 0) & mask,
     )
-    pred = SimpleNamespace(entropy=torch.rand(B, T, generator=g) * 4, rewards=torch.rand(B, generator=g), advantages=adv)
+    pred = SimpleNamespace(entropy=torch.rand(B, T, generator=g) * 4, rewards=torch.rand(B, generator=g), advantages=adv,
+                           sampler_logprobs=None)
     return terms, mask, pred
 
 
 def to_device(batch, device):
     terms, mask, pred = batch
-    move = lambda ns: SimpleNamespace(**{k: v.to(device) for k, v in vars(ns).items()})  # noqa: E731
+    move = lambda ns: SimpleNamespace(**{k: v if v is None else v.to(device) for k, v in vars(ns).items()})  # noqa: E731
     return move(terms), mask.to(device), move(pred)
 
 

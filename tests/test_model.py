@@ -24,7 +24,7 @@ def test_one_class_per_base_and_no_shared_defaults(name):
     b, *_ = build_model("--parallelism.tensor_parallel_degree", "1", "--model.name", name, "--grpo.temperature", "0.5")
     cls = spec.model_cls
     assert type(a) is type(b) is cls and issubclass(cls, GRPOModel)
-    _, _, base = cls.__bases__  # GRPOModel, the family's trunk, torchtitan's model class
+    _, base = cls.__bases__  # GRPOModel, torchtitan's model class
     assert grpo_model_cls(base, name.removeprefix("grpo_")) is cls
     assert a.scoring is not b.scoring and (a.scoring.temperature, b.scoring.temperature) == (1.0, 0.5)
     assert a.reference is not b.reference and a.reference.module is not a

@@ -1,6 +1,7 @@
 """Online mode's pieces without a model: prompt files, reward functions, and the dataset's batches, replays and resume."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -8,11 +9,13 @@ import torch
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
-from conftest import REPO
+from conftest import REPO, parse_config
+from plugin.batch import BatchPlan, Collate, advantages
 from plugin.config import GRPO, Online
-from plugin.data import BatchPlan, Collate, advantages
-from plugin.metrics import GRPOStats, OnlineStats
+from plugin.job import GRPOJob
+from plugin.metrics import GRPOMetricsProcessor
 from plugin.online import OnlineDataset, load_prompts, sample_key
+from plugin.stats import OnlineStats
 from plugin.rewards import RewardError, load_reward_fns, score
 from plugin.rollouts import Encoder, RolloutError
 from plugin.sampler import Samples
@@ -112,8 +115,16 @@ class CountingSampler:
         return Samples(comps, [[-0.5] * len(c) for c in comps], [False] * len(comps))
 
 
-class Policy:
-    grpo_stats = None
+class Policy(torch.nn.Module):
+    """Stands in for the policy: the log-probs it scores (the replays' old log-probs) are -0.01 * each input id."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight, self.calls = torch.nn.Parameter(torch.zeros(())), 0
+
+    def logprobs(self, tokens, labels):
+        self.calls += 1
+        return tokens.float() * -0.01
 
 
 def _online_dataset(tmp_path, tokenizer, *, mu=1, grad_accum=2, n_prompts=6, seed=0):
@@ -124,8 +135,8 @@ def _online_dataset(tmp_path, tokenizer, *, mu=1, grad_accum=2, n_prompts=6, see
     plan = BatchPlan(group_size=2, groups_per_microbatch=1, grad_accum=grad_accum, dp_rank=0, dp_world_size=1)
     fns = load_reward_fns(cfg.reward_funcs, [])
     ds = OnlineDataset(prompts, plan, Collate(16, 0, GRPO(), 2, sampled=True), seed, cfg, fns, tokenizer, 0,
-                       [tokenizer.eos_id], 1.0, str(tmp_path))
-    ds.policy, ds.sampler, ds.stats = Policy(), CountingSampler(tokenizer.eos_id), OnlineStats(["length"])
+                       [tokenizer.eos_id], 1.0, str(tmp_path), SimpleNamespace(), OnlineStats(["length"]))
+    ds.policy, ds.sampler = Policy(), CountingSampler(tokenizer.eos_id)
     return ds
 
 
@@ -146,7 +157,7 @@ def test_batches_carry_the_samples_rewards_and_sampler_logprobs(tmp_path, tokeni
         assert r.rewards[m] == len(completion)
         s = r.sampler_logprobs[m]
         assert s[1 : len(seq) - 1].eq(-0.5).all() and s[0].isnan() and s[len(seq) - 1 :].isnan().all()
-    assert inputs["rollouts"].old_logprobs is None and not inputs["rollouts"].keep_logprobs
+    assert inputs["rollouts"].old_logprobs is None and ds.policy.calls == 0  # mu = 1: on-policy, no scoring pass
     # advantages come from the whole global batch's rewards (both microbatches)
     inputs2, _ = next(it)
     rewards = torch.cat([inputs["rollouts"].rewards, inputs2["rollouts"].rewards])
@@ -163,24 +174,23 @@ def _pull(it, n):
     for _ in range(n):
         inputs, _ = next(it)
         r = inputs["rollouts"]
-        out.append((inputs["input"].clone(), r.keep_logprobs, r.old_logprobs, r.sampler_logprobs is not None, r))
+        out.append((inputs["input"].clone(), r.old_logprobs, r.sampler_logprobs is not None))
     return out
 
 
-def test_replays_use_the_first_pass_logprobs_as_old(tmp_path, tokenizer):
+def test_replays_use_the_policys_logprobs_before_the_update_as_old(tmp_path, tokenizer):
     ds = _online_dataset(tmp_path, tokenizer, mu=3)
     it = iter(ds)
-    first = _pull(it, 2)  # iteration 0: the model keeps its log-probs
-    assert all(keep and old is None and has_sampler for _, keep, old, has_sampler, _ in first)
-    for k, (_, _, _, _, r) in enumerate(first):  # what GRPOModel.forward does with keep_logprobs
-        r.old_logprobs = torch.full((2, 16), -float(k + 1))
-    for _ in range(2):  # iterations 1 and 2: the same microbatches, the kept log-probs, no sampler metric
+    first = _pull(it, 2)  # iteration 0: on-policy, with the sampler's log-probs for the mismatch metric
+    assert all(old is None and has_sampler for _, old, has_sampler in first)
+    assert ds.policy.calls == 2  # each microbatch scored once, when the batch was sampled
+    for _ in range(2):  # iterations 1 and 2: the same microbatches, the policy's log-probs, no sampler metric
         replay = _pull(it, 2)
-        for (x0, *_), (x, keep, old, has_sampler, _), k in zip(first, replay, range(2)):
-            assert torch.equal(x, x0) and not keep and not has_sampler and old.eq(-float(k + 1)).all()
-    assert ds.sampler.calls == 1
-    nxt = _pull(it, 1)[0]  # a new batch: sampled again
-    assert ds.sampler.calls == 2 and nxt[1] and nxt[2] is None
+        for (x0, *_), (x, old, has_sampler) in zip(first, replay):
+            assert torch.equal(x, x0) and not has_sampler and torch.equal(old, x0.float() * -0.01)
+    assert ds.sampler.calls == 1 and ds.policy.calls == 2
+    nxt = _pull(it, 1)[0]  # a new batch: sampled and scored again
+    assert ds.sampler.calls == 2 and ds.policy.calls == 4 and nxt[1] is None
 
 
 @pytest.mark.parametrize("stop_after", [1, 2, 3, 4, 5, 6])
@@ -190,8 +200,6 @@ def test_resume_mid_replay_continues_the_same_stream(tmp_path, tokenizer, stop_a
         for _ in range(n):
             inputs, _ = next(it)
             r = inputs["rollouts"]
-            if r.keep_logprobs:  # the model's first pass
-                r.old_logprobs = inputs["input"].float() * -0.01
             out.append((inputs["input"].clone(), None if r.old_logprobs is None else r.old_logprobs.clone()))
         return out
 
@@ -227,9 +235,14 @@ def test_online_stats_share_and_rates():
     assert stats.take() == {}  # a replay-only stretch logs no generation figures
 
 
-def test_grpo_stats_carry_online_figures():
-    stats = GRPOStats()
-    stats.online = OnlineStats(["a"])
-    stats.online.record(1.0, [2], [False], [[1.0]])
-    out = stats.reduce(None, torch.device("cpu"))
-    assert out["online/completion_length_mean"] == 2.0
+def test_the_metrics_processor_gets_the_jobs_statistics(monkeypatch):
+    """The online dataset's builder and the metrics processor's share the job's OnlineStats; the loss, its GRPOStats."""
+    from plugin.metrics import build_grpo_metrics_processor
+
+    built = {}
+    monkeypatch.setattr(GRPOMetricsProcessor, "__init__", lambda self, *a, **kw: built.update(kw))
+    cfg = parse_config()
+    job = GRPOJob.of(cfg)
+    job.online_stats = OnlineStats(["a"])
+    build_grpo_metrics_processor(cfg, None)
+    assert built == {"stats": job.stats, "online": job.online_stats} and GRPOJob.of(cfg) is job

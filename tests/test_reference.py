@@ -115,13 +115,13 @@ def test_beta_zero_builds_and_runs_no_reference():
     tokens, labels = batch()
     for model, passes in ((with_ref, 1), (without, 0)):
         model(tokens, labels=labels)
-        assert model.grpo_stats.sums["ref_passes"] == passes
+        assert model.stats.sums["ref_passes"] == passes
 
 
 def test_reference_logprobs_in_the_rollouts_replace_the_reference_pass():
     """Rollouts carrying the reference's log-probs: no reference pass runs, and the loss and its gradients are
     those of the pass that computes the same values."""
-    from plugin.data import Rollouts
+    from plugin.batch import Rollouts
     from plugin.loss import build_grpo_loss
 
     model, cfg, *_ = build("--grpo.entropy_coef", "0.01")
@@ -133,7 +133,7 @@ def test_reference_logprobs_in_the_rollouts_replace_the_reference_pass():
         g = torch.Generator().manual_seed(1)
         for p in model.reference.module.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=g))
-    stats = model.grpo_stats
+    stats = model.stats
     computed = model.reference.logprobs(model, tokens, labels, stats)
 
     def step(ref_logprobs):
@@ -158,14 +158,14 @@ def test_reference_logprobs_in_the_rollouts_replace_the_reference_pass():
 
 def test_first_forward_loads_the_reference_also_without_its_pass():
     """A run whose first batches carry reference log-probs still starts the reference at the policy's weights."""
-    from plugin.data import Rollouts
+    from plugin.batch import Rollouts
 
     model, *_ = build()
     tokens, labels = batch()
     initial = flat(model)
     rollouts = Rollouts(torch.zeros(4), torch.zeros(4), torch.ones(4), ref_logprobs=torch.zeros(4, 16))
     model(tokens, labels=labels, rollouts=rollouts)
-    assert model.reference.loaded and model.grpo_stats.sums["ref_passes"] == 0
+    assert model.reference.loaded and model.stats.sums["ref_passes"] == 0
     assert torch.equal(flat(model.reference.module), initial)
 
 
@@ -173,9 +173,8 @@ def test_reference_pass_computes_no_entropy():
     model, *_ = build()
     model.reference.load_once(model, torch.device("cpu"))
     tokens, labels = batch()
-    with torch.no_grad():
-        out = model.reference.module(tokens, labels=labels)
-    assert out.entropy is None and out.logprobs.shape == labels.shape
+    logprobs = model.reference.module.logprobs(tokens, labels)
+    assert not model.reference.module.scoring.with_entropy and logprobs.shape == labels.shape
 
 
 def test_offload_is_a_noop_on_cpu():
@@ -220,7 +219,7 @@ def test_sync_moves_reference_toward_policy_and_survives_resume():
     resumed_container = spec.build_optimizers_fn([resumed], cfg.optimizer, pd)
     resumed.load_state_dict(get_model_state_dict(model))
     resumed_container.load_state_dict(saved)
-    assert resumed_container.grpo_steps == 2 and resumed.reference.loaded
+    assert resumed_container.applied_steps == 2 and resumed.reference.loaded
     assert torch.equal(flat(resumed.reference.module), ref2)
     _step(resumed_container, resumed, 3)
     assert torch.equal(flat(resumed.reference.module), ref2)

@@ -255,8 +255,6 @@ def test_prompt_too_long_for_rope_table_names_it():
         sampler.generate([[]], [0])
     with pytest.raises(ValueError, match="2 prompts but 1 keys"):
         sampler.generate([[1], [2]], [0])
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        NoCacheSampler(model, max_new_tokens=0, stop_ids=[], temperature=1.0, pad_id=PAD)
 
 
 def test_modules_restored_after_a_failed_step():

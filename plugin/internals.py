@@ -1,0 +1,97 @@
+"""Every private torch attribute the plugin touches, each with why no public call serves.
+
+Checked on torch 2.11 (the lent GPU machines) and 2.13.0 (CPU); tests/test_internals.py has a
+test per entry that fails naming the entry when torch changes it.
+
+1. `FSDPState._training_state` (`fsdp_hooks_quiet`): the fused policy pass runs the head's
+   backward inside forward. FSDP would take that backward for the step's (prefetches, a root
+   callback that ends the iteration mid-forward); PRE_BACKWARD is the state FSDP itself sets
+   while it recomputes a group for activation checkpointing, which keeps its hooks quiet. FSDP2
+   has no public switch for this.
+2. `FSDPParamGroup.post_forward_mesh_info` read (`reshards_after_forward`): generation keeps
+   parameters gathered with the public `set_reshard_after_forward(False)` and must put back each
+   group's own setting afterwards, which only this attribute tells (there is no public getter).
+3. `FSDPState._comm_ctx.post_forward_order` and `FSDPParamGroup._post_forward_indices`
+   (`end_forward_only_iteration`, torch < 2.13 only): a forward that no backward follows (the
+   reference's, the sampler's) leaves its groups in FSDP's post-forward order, which only the
+   root's post-backward clears; torch >= 2.13 has the public `FSDPModule.reset_iter_state()`.
+4. `RowwiseParallel._prepare_output_fn` (`use_blocking_rowwise_output`, CPU only): its output
+   redistribute is asynchronous, and compiled TP blocks' backward then fails on CPU ("'Tensor'
+   object has no attribute '_local_tensor'"); the style has no option for a blocking one.
+5. `torch._inductor.runtime.cache_dir_utils.cache_dir` (`isolate_compile_cache`): the default
+   inductor cache folder, to give each rank its own below it (pytorch/pytorch#188390); the
+   public knob, TORCHINDUCTOR_CACHE_DIR, can only be set, not read back as inductor resolves it.
+"""
+
+import os
+from contextlib import contextmanager
+
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+
+
+def _param_groups(module: FSDPModule) -> list:
+    state = module._get_fsdp_state()
+    # torch < 2.13 has one group per state (`_fsdp_param_group`), 2.13 a list
+    groups = getattr(state, "_fsdp_param_groups", None)
+    return [g for g in (groups if groups is not None else [state._fsdp_param_group]) if g is not None]
+
+
+@contextmanager
+def fsdp_hooks_quiet(group: FSDPModule):
+    """FSDP's hooks of `group`'s state stay quiet while a backward of its parameters runs in forward (entry 1)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    state = group._get_fsdp_state()
+    saved, state._training_state = state._training_state, TrainingState.PRE_BACKWARD
+    try:
+        yield
+    finally:
+        state._training_state = saved
+
+
+def reshards_after_forward(module: FSDPModule) -> bool:
+    """Whether FSDP frees `module`'s gathered parameters after its forward (entry 2)."""
+    return any(g.post_forward_mesh_info is not None for g in _param_groups(module))
+
+
+def end_forward_only_iteration(module: nn.Module) -> None:
+    """Reset an FSDP root's per-iteration records after a forward that no backward follows (entry 3)."""
+    if not isinstance(module, FSDPModule):
+        return
+    if hasattr(module, "reset_iter_state"):  # torch >= 2.13: public, and also reshards
+        module.reset_iter_state()
+        return
+    state = module._get_fsdp_state()
+    state._comm_ctx.post_forward_order.clear()
+    for other in state._state_ctx.all_states:
+        for group in getattr(other, "_fsdp_param_groups", None) or [other._fsdp_param_group]:
+            if group is not None:
+                group._post_forward_indices.clear()
+
+
+def use_blocking_rowwise_output() -> None:
+    """RowwiseParallel's output redistribute made blocking (entry 4); plugin.cpu applies it on CPU only."""
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    def prepare_output(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if outputs.placements != output_layouts:
+            outputs = outputs.redistribute(placements=output_layouts)
+        return outputs.to_local() if use_local_output else outputs
+
+    RowwiseParallel._prepare_output_fn = staticmethod(prepare_output)
+
+
+def isolate_compile_cache(rank: int) -> None:
+    """Give each rank its own inductor/AOTAutograd cache folder (entry 5).
+
+    The AOTAutograd cache key does not tell ranks apart, so with a cache shared by the TP ranks
+    one rank reuses a graph that has the other rank's vocab range baked in, and log-probs come
+    out silently wrong (pytorch/pytorch#188390; tests/test_logprobs.py shows it).
+    """
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    base = cache_dir()
+    if os.path.basename(base).startswith("rank_"):
+        return
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, f"rank_{rank}")

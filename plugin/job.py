@@ -1,0 +1,38 @@
+"""What the GRPO builders of one job share: built once, with the job's checks, and handed to each.
+
+torchtitan 0.2.2's Trainer calls the TrainSpec's builders one after another, giving each the
+job's config and none of the others' results, and it builds the dataloader before the model.
+So what they share is one `GRPOJob`, made by the first builder that asks for it
+(`GRPOJob.of(job_config)`, which runs plugin.config.validate_job once) and kept on that config:
+
+| field          | set by                               | read by                                              |
+|----------------|--------------------------------------|------------------------------------------------------|
+| stats          | GRPOJob                              | the policy (its configure), the loss, the metrics processor |
+| online_stats   | the online dataset's builder         | the metrics processor                                |
+| policy, parallel_dims | the parallelize function      | the online dataset, which samples from the policy    |
+
+The optimizer builder gets the policy from torchtitan and its reference and stats from it.
+"""
+
+from .config import validate_job
+from .stats import GRPOStats, OnlineStats
+
+_ATTRIBUTE = "grpo_job"  # its name on the job's config object
+
+
+class GRPOJob:
+    def __init__(self, job_config):
+        validate_job(job_config)
+        self.stats = GRPOStats(job_config.grpo.on_nonfinite)
+        self.online_stats: OnlineStats | None = None
+        self.policy = None  # the parallelized policy, once built
+        self.parallel_dims = None
+
+    @staticmethod
+    def of(job_config) -> "GRPOJob":
+        """The job's GRPOJob, made at the first call for this config object."""
+        job = getattr(job_config, _ATTRIBUTE, None)
+        if job is None:
+            job = GRPOJob(job_config)
+            setattr(job_config, _ATTRIBUTE, job)
+        return job

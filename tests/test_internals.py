@@ -1,0 +1,106 @@
+"""plugin.internals: one test per private torch attribute it uses, each failing with the entry's name and number.
+
+A failure here means torch changed what plugin.internals relies on: the message says which entry
+of its docstring to revisit.
+"""
+
+import inspect
+
+import pytest
+import torch
+import torch.nn as nn
+
+from conftest import run_ranks
+from plugin import internals
+
+
+def _fsdp_model():
+    """Two FSDP groups under a root, on a 1-rank gloo mesh: the shape of torchtitan's FSDP wrapping."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (1,))
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    for layer in model:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+    return fully_shard(model, mesh=mesh)
+
+
+def _hooks_quiet(rank, world_size):
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    model = _fsdp_model()
+    model(torch.ones(1, 4)).sum().backward()  # FSDP's lazy init, one iteration
+    state = model[1]._get_fsdp_state()
+    assert hasattr(state, "_training_state"), "entry 1: FSDPState._training_state is gone"
+    before = state._training_state
+    with internals.fsdp_hooks_quiet(model[1]):
+        assert state._training_state == TrainingState.PRE_BACKWARD, "entry 1: the state is not PRE_BACKWARD inside"
+    assert state._training_state == before, "entry 1: the state was not put back"
+
+
+def test_entry_1_fsdp_training_state():
+    run_ranks(1, _hooks_quiet)
+
+
+def _reshard_flag(rank, world_size):
+    model = _fsdp_model()
+    assert internals.reshards_after_forward(model[0]), "entry 2: reshard_after_forward=True reads as False"
+    model[0].set_reshard_after_forward(False, recurse=False)
+    assert not internals.reshards_after_forward(model[0]), "entry 2: the public setter's value does not read back"
+    model[0].set_reshard_after_forward(True, recurse=False)
+    assert internals.reshards_after_forward(model[0]), "entry 2: post_forward_mesh_info no longer tells the setting"
+
+
+def test_entry_2_post_forward_mesh_info():
+    run_ranks(1, _reshard_flag)
+
+
+def _forward_only(rank, world_size):
+    model = _fsdp_model()
+    state = model._get_fsdp_state()
+    for _ in range(3):
+        with torch.no_grad():
+            model(torch.ones(2, 4))
+        internals.end_forward_only_iteration(model)
+        assert len(state._comm_ctx.post_forward_order) == 0, "entry 3: FSDP's post-forward order grows per pass"
+    # training still works after the forward-only passes
+    model(torch.ones(2, 4)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_entry_3_forward_only_iterations_leave_nothing_behind():
+    run_ranks(1, _forward_only)
+
+
+def test_entry_4_rowwise_prepare_output_fn():
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    fn = inspect.getattr_static(RowwiseParallel, "_prepare_output_fn", None)
+    assert isinstance(fn, staticmethod), "entry 4: RowwiseParallel._prepare_output_fn is no longer a staticmethod"
+    params = list(inspect.signature(fn.__func__).parameters)
+    assert params == ["output_layouts", "use_local_output", "mod", "outputs", "device_mesh"], \
+        f"entry 4: RowwiseParallel._prepare_output_fn takes {params} now"
+
+
+def test_entry_5_inductor_cache_dir(tmp_path, monkeypatch):
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    assert cache_dir() == str(tmp_path), "entry 5: cache_dir() no longer follows TORCHINDUCTOR_CACHE_DIR"
+    internals.isolate_compile_cache(1)
+    assert cache_dir() == str(tmp_path / "rank_1")
+    internals.isolate_compile_cache(1)  # idempotent: parallelize may call it for several model parts
+    assert cache_dir() == str(tmp_path / "rank_1")
+
+
+def test_no_private_torch_access_outside_internals():
+    """The other modules reach no private torch attribute (a name with a leading underscore on a torch object)."""
+    import pathlib
+    import re
+
+    plugin_dir = pathlib.Path(internals.__file__).parent
+    pattern = re.compile(r"\btorch(\.\w+)*\._\w|_get_fsdp_state|_training_state|post_forward_mesh_info|_comm_ctx")
+    offenders = [f"{path.name}:{n}: {line.strip()}" for path in sorted(plugin_dir.glob("*.py")) if path.name != "internals.py"
+                 for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not offenders, "private torch access outside plugin/internals.py:\n" + "\n".join(offenders)
