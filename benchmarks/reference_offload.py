@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import torch
+from harness import ONE_RANK, build_model
 from job_status import OK, OOM, OOM_EXIT, SIMULATE_ENV, TIMEOUT, classify, fake_oom, read_reports, run_job, simulated_oom, \
     write_report
 
@@ -91,28 +92,12 @@ class Memory:
 
 def build(args, offload: bool, device: torch.device):
     """Model (policy + reference) and optimizers, as torchtitan's Trainer builds them, on one device."""
-    import plugin  # noqa: F401  (registers the GRPO TrainSpecs)
-    from torchtitan.config import ConfigManager
-    from torchtitan.distributed import ParallelDims
-    from torchtitan.protocols.train_spec import get_train_spec
-
-    overrides = ["--model.name", args.model, "--model.flavor", args.flavor, "--training.seq_len", str(args.seq),
-                 "--parallelism.tensor_parallel_degree", "1", "--parallelism.data_parallel_shard_degree", "1"]
+    overrides = ["--model.name", args.model, "--model.flavor", args.flavor, "--training.seq_len", str(args.seq), *ONE_RANK]
     if offload:
         overrides.append("--reference_model.offload")
-    cfg = ConfigManager().parse_args(["--job.config_file", str(REPO / "train_configs/debug_cpu.toml"), *overrides])
-    spec = get_train_spec(cfg.model.name)
-    model_args = spec.model_args[cfg.model.flavor]
-    model_args.update_from_config(cfg)
-    pd = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
-    with torch.device("meta"):
-        model = spec.model_cls(model_args)
-    model = spec.parallelize_fn(model, pd, cfg)
-    model.to_empty(device=device)
-    with torch.no_grad():
-        model.init_weights()
+    model, cfg, pd, spec = build_model(*overrides, device=device)
     model.train()
-    return model, spec.build_optimizers_fn([model], cfg.optimizer, pd), model_args.vocab_size
+    return model, spec.build_optimizers_fn([model], cfg.optimizer, pd), model.model_args.vocab_size
 
 
 def worker(args, offload: bool) -> dict:
