@@ -1,5 +1,5 @@
 """What a measurement in this process stands on, for the benchmarks and the tests alike: the bundled
-config and the model as torchtitan's Trainer builds it.
+config, the model as torchtitan's Trainer builds it, and a memory meter.
 
 The benchmarks import it from their own folder (a script's folder is first on its sys.path); the
 tests through pytest's `pythonpath` setting (pyproject.toml). torchtitan and the plugin are imported
@@ -50,3 +50,32 @@ def build_model(*overrides: str, parallel_dims=None, device="cpu"):
     with torch.no_grad():
         model.init_weights()
     return model, cfg, pd, spec
+
+
+class Memory:
+    """This process's memory as the training loop reports it: allocated memory on CUDA, RSS on CPU (plugin.cpu)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def reset(self) -> int:
+        """Start a new peak; returns the memory held now."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            return torch.cuda.memory_allocated()
+        from plugin import cpu
+
+        # without the reset the peak would be the whole process's: no figure rather than a wrong one
+        if not cpu.reset_peak_rss():
+            raise RuntimeError("cannot reset the peak RSS (/proc/self/clear_refs refused)")
+        return cpu.current_rss_bytes()
+
+    def peak(self) -> int:
+        """The highest memory since the last reset (synchronizes on CUDA)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated()
+        from plugin import cpu
+
+        return cpu.peak_rss_bytes()

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 import torch
-from harness import ONE_RANK, build_model
+from harness import ONE_RANK, Memory, build_model
 from job_status import OK, OOM, OOM_EXIT, SIMULATE_ENV, TIMEOUT, classify, fake_oom, read_reports, run_job, simulated_oom, \
     write_report
 
@@ -57,37 +57,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     # for tests: baseline and/or offload[:kill], comma-separated, fails that setting as an OOM would
     p.add_argument("--simulate-oom", default=os.environ.get(SIMULATE_ENV), help=argparse.SUPPRESS)
     return p.parse_args(argv)
-
-
-class Memory:
-    """Allocated device memory on CUDA; the process's RSS on CPU (plugin.cpu)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def current(self) -> int:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return torch.cuda.memory_allocated()
-        from plugin import cpu
-
-        return cpu.current_rss_bytes()
-
-    def reset_peak(self) -> None:
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
-        else:
-            from plugin import cpu
-
-            cpu.reset_peak_rss()
-
-    def peak(self) -> int:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return torch.cuda.max_memory_allocated()
-        from plugin import cpu
-
-        return cpu.peak_rss_bytes()
 
 
 def build(args, offload: bool, device: torch.device):
@@ -117,8 +86,7 @@ def worker(args, offload: bool) -> dict:
     times, peaks, resting = [], [], []
     for _ in range(args.steps):
         optimizers.zero_grad()  # frees the grads: what stays is weights and optimizer state
-        resting.append(memory.current())
-        memory.reset_peak()
+        resting.append(memory.reset())
         if fake:
             fake_oom(fake, f"the {SETTINGS[offload]} setting's first step")
         start = time.perf_counter()
