@@ -2,7 +2,6 @@
 
 import csv
 import os
-import runpy
 import signal
 import subprocess
 import sys
@@ -10,10 +9,8 @@ import sys
 import pytest
 import torch
 
+import job_status  # benchmarks/, on the tests' path (pyproject.toml)
 from conftest import REPO
-
-# a standard-library module of the benchmarks, loaded from its file (benchmarks/ is no package)
-job_status = runpy.run_path(str(REPO / "benchmarks" / "job_status.py"))
 
 
 def test_oom_variant_is_recorded_and_the_run_goes_on(tmp_path):
@@ -50,7 +47,7 @@ def test_oom_variant_is_recorded_and_the_run_goes_on(tmp_path):
     (ValueError("--seq 63 must be divisible by --tp 2"), False),
 ])
 def test_is_oom(exc, oom):
-    assert job_status["is_oom"](exc) is oom
+    assert job_status.is_oom(exc) is oom
 
 
 TORCHRUN_KILLED = """
@@ -63,7 +60,7 @@ Root Cause (first observed failure):
 
 
 def test_classify():
-    classify = job_status["classify"]
+    classify = job_status.classify
     assert classify(0, "all fine") == ("ok", "")
     assert classify(None, "") == ("timeout", "")
     assert classify(1, "", [{"status": "OOM", "detail": "OutOfMemoryError: CUDA out of memory"}]) == (
@@ -83,14 +80,14 @@ def test_classify():
 
 def test_run_job_sees_a_sigkill_as_oom_and_kills_on_timeout():
     code = f"import os, signal; os.kill(os.getpid(), {int(signal.SIGKILL)})"
-    returncode, _ = job_status["run_job"]([sys.executable, "-c", code])
-    assert job_status["classify"](returncode)[0] == "OOM"
-    returncode, _ = job_status["run_job"]([sys.executable, "-c", "import time; time.sleep(60)"], timeout=1)
+    returncode, _ = job_status.run_job([sys.executable, "-c", code])
+    assert job_status.classify(returncode)[0] == "OOM"
+    returncode, _ = job_status.run_job([sys.executable, "-c", "import time; time.sleep(60)"], timeout=1)
     assert returncode is None
 
 
 def test_simulated_oom_spec():
-    spec = job_status["simulated_oom"]
+    spec = job_status.simulated_oom
     assert spec("chunked", "chunked", "policy") == "raise"
     assert spec("chunked:reference", "chunked", "policy") is None
     assert spec("gather:policy:kill,chunked", "gather", "policy") == "kill"
