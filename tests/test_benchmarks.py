@@ -95,6 +95,24 @@ def test_simulated_oom_spec():
     assert spec(None, "chunked", "policy") is None
 
 
+def test_worker_pids_and_proc_status():
+    """What memory_soak.py and test_faults.py read of a torchrun job's workers: children by rank, their memory."""
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    procs = [subprocess.Popen(sleeper, env={**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+             for rank in (1, 0)]
+    other = subprocess.Popen(sleeper, env={k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK")})
+    try:
+        expected = {0: procs[1].pid, 1: procs[0].pid}
+        assert job_status.worker_pids(os.getpid()) == job_status.worker_pids(os.getpid(), "LOCAL_RANK") == expected
+        status = job_status.proc_status(procs[0].pid, ("VmRSS", "VmHWM"))
+        assert set(status) == {"VmRSS", "VmHWM"} and 0 < status["VmRSS"] <= status["VmHWM"]
+    finally:
+        for p in (*procs, other):
+            p.kill()
+            p.wait()
+    assert job_status.proc_status(procs[0].pid, ("VmRSS",)) is None
+
+
 def test_gpu_oneshot_help():
     proc = subprocess.run([sys.executable, "benchmarks/gpu_oneshot.py", "--help"], cwd=REPO, capture_output=True,
                           text=True, timeout=60)
