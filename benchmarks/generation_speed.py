@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+from harness import ONE_RANK, build_model  # benchmarks/, the script's folder
 
 REPO = Path(__file__).resolve().parents[1]
 COLUMNS = ("sampler", "threads", "batch", "prompt_len", "new_tokens", "time_s", "cpu_s", "tokens_per_s",
@@ -48,27 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build(args, max_seq_len: int) -> torch.nn.Module:
     """The policy alone (no reference), as torchtitan's Trainer builds it, with a RoPE table of max_seq_len."""
-    import plugin  # noqa: F401  (registers the GRPO TrainSpecs)
-    from torchtitan.config import ConfigManager
-    from torchtitan.distributed import ParallelDims
-    from torchtitan.protocols.train_spec import get_train_spec
-
-    cfg = ConfigManager().parse_args([
-        "--job.config_file", str(REPO / "train_configs/debug_cpu.toml"), "--model.name", args.model,
-        "--model.flavor", args.flavor, "--training.seq_len", str(max_seq_len), "--grpo.beta", "0",
-        "--parallelism.tensor_parallel_degree", "1", "--parallelism.data_parallel_shard_degree", "1",
-    ])
-    spec = get_train_spec(cfg.model.name)
-    model_args = spec.model_args[cfg.model.flavor]
-    model_args.update_from_config(cfg)
-    pd = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
-    with torch.device("meta"):
-        model = spec.model_cls(model_args)
-    model = spec.parallelize_fn(model, pd, cfg)
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        model.init_weights()
+    model, *_ = build_model("--model.name", args.model, "--model.flavor", args.flavor, "--training.seq_len",
+                            str(max_seq_len), "--grpo.beta", "0", *ONE_RANK)
     return model
 
 

@@ -3,8 +3,9 @@
 A worker process that fails writes a one-line JSON report (`write_report`) and, when it ran out of
 memory, exits with OOM_EXIT; the launcher runs each job in its own process group (`run_job`) and
 turns the exit status, the reports and the output into a status (`classify`); `read_scalars` gives
-what a torchtitan job logged to TensorBoard. Standard library only at import (tensorboard is imported
-when read), so the launchers can use it before torch is imported and the tests can load it on its own.
+what a torchtitan job logged to TensorBoard; `worker_pids` and `proc_status` find a running torchrun
+job's workers and read their memory through /proc. Standard library only at import (tensorboard is
+imported when read), so the launchers can use it before torch is imported and the tests can load it on its own.
 """
 
 import json
@@ -135,3 +136,49 @@ def read_scalars(dump: Path) -> dict[int, dict[str, float]]:
             for e in acc.Scalars(tag):
                 steps.setdefault(e.step, {})[tag] = e.value
     return steps
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of `pid` (a scan of /proc/*/stat: /proc/<pid>/task/*/children needs CONFIG_PROC_CHILDREN)."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:  # gone since the listing
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+        if int(stat[stat.rfind(")") + 2 :].split()[1]) == pid:
+            kids.append(int(entry))
+    return kids
+
+
+def worker_pids(torchrun_pid: int, variable: str = "RANK") -> dict[int, int]:
+    """{rank: pid} of the torchrun job's workers started so far, each rank read from its environment's
+    `variable` (RANK, or LOCAL_RANK)."""
+    workers = {}
+    for pid in children(torchrun_pid):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if variable.encode() in env:
+            workers[int(env[variable.encode()])] = pid
+    return workers
+
+
+def proc_status(pid: int, fields) -> dict[str, int] | None:
+    """The `fields` of /proc/<pid>/status (e.g. VmRSS, VmHWM) that it has, in bytes; None if the process is gone."""
+    out = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in fields:
+                    out[key] = int(rest.split()[0]) * 1024  # kB
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return out

@@ -25,7 +25,6 @@ and .png.
 
 import argparse
 import csv
-import dataclasses
 import json
 import os
 import shutil
@@ -37,7 +36,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from job_status import read_scalars  # benchmarks/, the script's folder
+from harness import ONE_RANK, build_model  # benchmarks/, the script's folder
+from job_status import read_scalars
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -50,13 +50,11 @@ SEQ_LEN = 16  # debug_cpu.toml's [training] seq_len
 def load_policy(checkpoint: Path, max_seq_len: int = SEQ_LEN) -> torch.nn.Module:
     """The GRPO llama3 debugmodel with the policy weights of a DCP checkpoint folder (model-only or full)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    from torchtitan.protocols.train_spec import get_train_spec
 
-    import plugin  # noqa: F401  (registers grpo_llama3)
-
-    spec = get_train_spec("grpo_llama3")
-    # the rotary table (freqs_cis) is a non-persistent buffer: any max_seq_len loads any checkpoint
-    model = spec.model_cls(dataclasses.replace(spec.model_args["debugmodel"], max_seq_len=max_seq_len))
+    # the policy alone, on one rank; the rotary table (freqs_cis) is a non-persistent buffer, so any
+    # max_seq_len loads any checkpoint
+    model, *_ = build_model("--model.name", "grpo_llama3", "--model.flavor", "debugmodel", "--training.seq_len",
+                            str(max_seq_len), "--grpo.beta", "0", *ONE_RANK)
     out = Path(f"{checkpoint}.pt")
     # converted once per checkpoint; again when the folder was written anew (a re-run warm-up)
     if not out.exists() or out.stat().st_mtime < (Path(checkpoint) / ".metadata").stat().st_mtime:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from harness import Memory
 from job_status import OK, OOM, OOM_EXIT, SIMULATE_ENV, SKIPPED, TIMEOUT, classify, fake_oom, read_reports, run_job, \
     simulated_oom, write_report
 
@@ -134,33 +135,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         if s not in PASSES:
             p.error(f"unknown pass {s!r}; choose from {', '.join(PASSES)}")
     return args
-
-
-class Memory:
-    """This process's memory as the training loop reports it: RSS on CPU, allocator stats on CUDA."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def reset(self) -> int:
-        """Start a new peak; returns the memory held now."""
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            return torch.cuda.memory_allocated()
-        from plugin import cpu
-
-        if not cpu.reset_peak_rss():
-            raise RuntimeError("cannot reset the peak RSS (/proc/self/clear_refs refused)")
-        return cpu.current_rss_bytes()
-
-    def peak(self) -> int:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return torch.cuda.max_memory_allocated()
-        from plugin import cpu
-
-        return cpu.peak_rss_bytes()
 
 
 def build_head(args, mesh, device):

@@ -50,6 +50,8 @@ import threading
 import time
 from pathlib import Path
 
+from job_status import proc_status, worker_pids  # benchmarks/, the script's folder
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 MiB = 2**20
@@ -92,73 +94,6 @@ def parse_args(argv=None):
 
 
 # ---------------------------------------------------------------------------------------------
-# /proc
-
-
-def proc_status(pid: int) -> dict[str, int] | None:
-    """The FIELDS of /proc/<pid>/status in bytes; None if the process is gone."""
-    out = {}
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                if key in FIELDS:
-                    out[key] = int(rest.split()[0]) * 1024  # kB
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return out
-
-
-def children(pid: int) -> list[int]:
-    """Direct children of `pid` (scan of /proc/*/stat: the children file needs CONFIG_PROC_CHILDREN)."""
-    kids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if int(fields[1]) == pid:
-            kids.append(int(entry))
-    return kids
-
-
-def worker_rank(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-    except OSError:
-        return None
-    rank = env.get(b"RANK")
-    return int(rank) if rank is not None else None
-
-
-def vmrss(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return None
-
-
-def find_workers(torchrun_pid: int) -> dict[int, int]:
-    """{rank: pid} of torchrun's worker processes found so far."""
-    workers = {}
-    for pid in children(torchrun_pid):
-        rank = worker_rank(pid)
-        if rank is not None:
-            workers[rank] = pid
-    return workers
-
-
-# ---------------------------------------------------------------------------------------------
 # the run
 
 
@@ -187,7 +122,7 @@ class Soak:
 
     def sample(self, step: int) -> None:
         if len(self.workers) < self.args.nproc:
-            self.workers.update(find_workers(self.proc.pid))
+            self.workers.update(worker_pids(self.proc.pid))
         elapsed = time.monotonic() - self.t0
         # polls made while the latest logged step was in [step - window, step): the window's steps
         lo = max(step - self.args.window, 1)  # not the start-up's polls
@@ -196,7 +131,7 @@ class Soak:
             if lo <= s < step:
                 window[rank].append(rss)
         for rank, pid in sorted(self.workers.items()):
-            st = proc_status(pid)
+            st = proc_status(pid, FIELDS)
             if st is None:
                 continue
             row = {"step": step, "elapsed_s": round(elapsed, 2), "rank": rank, "pid": pid}
@@ -248,7 +183,7 @@ class Soak:
                 if len(self.workers) < a.nproc and now - last_scan > 1.0:
                     last_scan = now
                     with self.lock:
-                        self.workers.update(find_workers(self.proc.pid))
+                        self.workers.update(worker_pids(self.proc.pid))
                 if now > deadline:
                     stopped_by = "minutes"
                     self.stop()
@@ -256,10 +191,10 @@ class Soak:
                 # VmRSS of every worker between samples: the window's max and min are phase-independent
                 step = self.last_step
                 for rank, pid in list(self.workers.items()):
-                    rss = vmrss(pid)
-                    if rss is not None:
+                    st = proc_status(pid, ("VmRSS",))
+                    if st:  # None once the process is gone, {} while it exits
                         with self.lock:
-                            self.polls.append((step, rank, rss))
+                            self.polls.append((step, rank, st["VmRSS"]))
                 time.sleep(a.poll)
             rc = self.proc.wait()
             reader.join(timeout=30)

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import torch
+from harness import ONE_RANK, Memory, build_model
 from job_status import OK, OOM, OOM_EXIT, SIMULATE_ENV, TIMEOUT, classify, fake_oom, read_reports, run_job, simulated_oom, \
     write_report
 
@@ -58,61 +59,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-class Memory:
-    """Allocated device memory on CUDA; the process's RSS on CPU (plugin.cpu)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def current(self) -> int:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return torch.cuda.memory_allocated()
-        from plugin import cpu
-
-        return cpu.current_rss_bytes()
-
-    def reset_peak(self) -> None:
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
-        else:
-            from plugin import cpu
-
-            cpu.reset_peak_rss()
-
-    def peak(self) -> int:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return torch.cuda.max_memory_allocated()
-        from plugin import cpu
-
-        return cpu.peak_rss_bytes()
-
-
 def build(args, offload: bool, device: torch.device):
     """Model (policy + reference) and optimizers, as torchtitan's Trainer builds them, on one device."""
-    import plugin  # noqa: F401  (registers the GRPO TrainSpecs)
-    from torchtitan.config import ConfigManager
-    from torchtitan.distributed import ParallelDims
-    from torchtitan.protocols.train_spec import get_train_spec
-
-    overrides = ["--model.name", args.model, "--model.flavor", args.flavor, "--training.seq_len", str(args.seq),
-                 "--parallelism.tensor_parallel_degree", "1", "--parallelism.data_parallel_shard_degree", "1"]
+    overrides = ["--model.name", args.model, "--model.flavor", args.flavor, "--training.seq_len", str(args.seq), *ONE_RANK]
     if offload:
         overrides.append("--reference_model.offload")
-    cfg = ConfigManager().parse_args(["--job.config_file", str(REPO / "train_configs/debug_cpu.toml"), *overrides])
-    spec = get_train_spec(cfg.model.name)
-    model_args = spec.model_args[cfg.model.flavor]
-    model_args.update_from_config(cfg)
-    pd = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
-    with torch.device("meta"):
-        model = spec.model_cls(model_args)
-    model = spec.parallelize_fn(model, pd, cfg)
-    model.to_empty(device=device)
-    with torch.no_grad():
-        model.init_weights()
+    model, cfg, pd, spec = build_model(*overrides, device=device)
     model.train()
-    return model, spec.build_optimizers_fn([model], cfg.optimizer, pd), model_args.vocab_size
+    return model, spec.build_optimizers_fn([model], cfg.optimizer, pd), model.model_args.vocab_size
 
 
 def worker(args, offload: bool) -> dict:
@@ -132,8 +86,7 @@ def worker(args, offload: bool) -> dict:
     times, peaks, resting = [], [], []
     for _ in range(args.steps):
         optimizers.zero_grad()  # frees the grads: what stays is weights and optimizer state
-        resting.append(memory.current())
-        memory.reset_peak()
+        resting.append(memory.reset())
         if fake:
             fake_oom(fake, f"the {SETTINGS[offload]} setting's first step")
         start = time.perf_counter()

@@ -39,10 +39,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from harness import CONFIG, REPO, build_model
 from job_status import read_scalars, run_job
 
-REPO = Path(__file__).resolve().parents[1]
-CONFIG = "train_configs/debug_cpu.toml"
 VARIANTS = ("ce", "grpo_beta0", "grpo_beta", "forward")
 GROUP_SIZE = 4
 PROMPT_LEN = 32
@@ -140,30 +139,17 @@ def forward_worker(spec: dict) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.tensor.parallel import loss_parallel
-    from torchtitan.config import ConfigManager
     from torchtitan.distributed import ParallelDims
-    from torchtitan.protocols.train_spec import get_train_spec
-
-    import plugin  # noqa: F401  (its CPU patches, as custom_import applies them in the training jobs)
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo")
-    cfg = ConfigManager().parse_args(["--job.config_file", str(REPO / CONFIG), *spec["argv"]])
     world = dist.get_world_size()
-    train_spec = get_train_spec(cfg.model.name)
-    model_args = train_spec.model_args[cfg.model.flavor]
-    model_args.update_from_config(cfg)
     pd = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=world, pp=1, ep=1, etp=1, world_size=world)
-    with torch.device("meta"):
-        model = train_spec.model_cls(model_args)
-    model = train_spec.parallelize_fn(model, pd, cfg)  # as the Trainer: TP with loss_parallel on the output layer
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)  # the same weights and tokens on every rank
-    with torch.no_grad():
-        model.init_weights()
+    # as the Trainer: TP with loss_parallel on the output layer; seed 0, so the same weights and tokens on every rank
+    model, cfg, _, train_spec = build_model(*spec["argv"], parallel_dims=pd)
     loss_fn = train_spec.build_loss_fn(cfg)
     batch = cfg.training.local_batch_size
-    tokens = torch.randint(0, model_args.vocab_size, (batch, cfg.training.seq_len + 1))
+    tokens = torch.randint(0, model.model_args.vocab_size, (batch, cfg.training.seq_len + 1))
     inputs, labels = tokens[:, :-1], tokens[:, 1:]  # [B, T]
     times = {"wall": [], "cpu": []}
     for _ in range(spec["steps"]):

@@ -1,4 +1,5 @@
-"""Shared test helpers: a gloo multi-rank runner on CPU and a torchrun launcher for end-to-end runs."""
+"""Shared test helpers: a gloo multi-rank runner on CPU and a torchrun launcher for end-to-end runs; the model
+builder and the bundled config come from benchmarks/harness.py, which the benchmarks use too."""
 
 import os
 import socket
@@ -11,7 +12,8 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-REPO = Path(__file__).resolve().parents[1]
+# shared with the benchmarks (benchmarks/harness.py, on the tests' path through pyproject.toml)
+from harness import CONFIG, REPO, build_model, parse_config  # noqa: F401
 
 
 # tests that launch torchtitan's train.py under torchrun (seconds to minutes each); `-m "not slow"` skips them
@@ -71,16 +73,6 @@ def torchrun(nproc: int, config: str, *overrides: str, env: dict | None = None, 
     return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
-CONFIG = "train_configs/debug_cpu.toml"
-
-
-def parse_config(*overrides: str):
-    """The bundled config merged with plugin.config's sections, as torchtitan parses it."""
-    from torchtitan.config import ConfigManager
-
-    return ConfigManager().parse_args(["--job.config_file", str(REPO / CONFIG), *overrides])
-
-
 def check(proc) -> None:
     """Fail with the run's output tail when a torchrun launch failed."""
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
@@ -104,34 +96,6 @@ def scalars_by_step(dump: Path) -> dict[str, dict[int, float]]:
 def scalars(dump: Path) -> dict[str, list[float]]:
     """TensorBoard scalars of a run's dump folder: tag -> values in step order."""
     return {tag: [v for _, v in sorted(by_step.items())] for tag, by_step in scalars_by_step(dump).items()}
-
-
-def build_model(*overrides: str, parallel_dims=None):
-    """The GRPO model of the bundled config in this process on CPU, built as torchtitan's Trainer builds it.
-
-    Returns (model, job_config, parallel_dims, train_spec); one rank unless `parallel_dims` says otherwise.
-    """
-    import copy
-
-    import torch
-    from torchtitan.distributed import ParallelDims
-    from torchtitan.protocols.train_spec import get_train_spec
-
-    import plugin  # noqa: F401  registers the GRPO TrainSpecs
-
-    cfg = parse_config(*overrides)
-    pd = parallel_dims or ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
-    spec = get_train_spec(cfg.model.name)
-    model_args = copy.deepcopy(spec.model_args[cfg.model.flavor])
-    model_args.update_from_config(cfg)
-    with torch.device("meta"):
-        model = spec.model_cls(model_args)
-    model = spec.parallelize_fn(model, pd, cfg)
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        model.init_weights()
-    return model, cfg, pd, spec
 
 
 def read_checkpoint(path: Path) -> dict:

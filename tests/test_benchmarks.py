@@ -2,7 +2,6 @@
 
 import csv
 import os
-import runpy
 import signal
 import subprocess
 import sys
@@ -10,10 +9,8 @@ import sys
 import pytest
 import torch
 
+import job_status  # benchmarks/, on the tests' path (pyproject.toml)
 from conftest import REPO
-
-# a standard-library module of the benchmarks, loaded from its file (benchmarks/ is no package)
-job_status = runpy.run_path(str(REPO / "benchmarks" / "job_status.py"))
 
 
 def test_oom_variant_is_recorded_and_the_run_goes_on(tmp_path):
@@ -50,7 +47,7 @@ def test_oom_variant_is_recorded_and_the_run_goes_on(tmp_path):
     (ValueError("--seq 63 must be divisible by --tp 2"), False),
 ])
 def test_is_oom(exc, oom):
-    assert job_status["is_oom"](exc) is oom
+    assert job_status.is_oom(exc) is oom
 
 
 TORCHRUN_KILLED = """
@@ -63,7 +60,7 @@ Root Cause (first observed failure):
 
 
 def test_classify():
-    classify = job_status["classify"]
+    classify = job_status.classify
     assert classify(0, "all fine") == ("ok", "")
     assert classify(None, "") == ("timeout", "")
     assert classify(1, "", [{"status": "OOM", "detail": "OutOfMemoryError: CUDA out of memory"}]) == (
@@ -83,19 +80,37 @@ def test_classify():
 
 def test_run_job_sees_a_sigkill_as_oom_and_kills_on_timeout():
     code = f"import os, signal; os.kill(os.getpid(), {int(signal.SIGKILL)})"
-    returncode, _ = job_status["run_job"]([sys.executable, "-c", code])
-    assert job_status["classify"](returncode)[0] == "OOM"
-    returncode, _ = job_status["run_job"]([sys.executable, "-c", "import time; time.sleep(60)"], timeout=1)
+    returncode, _ = job_status.run_job([sys.executable, "-c", code])
+    assert job_status.classify(returncode)[0] == "OOM"
+    returncode, _ = job_status.run_job([sys.executable, "-c", "import time; time.sleep(60)"], timeout=1)
     assert returncode is None
 
 
 def test_simulated_oom_spec():
-    spec = job_status["simulated_oom"]
+    spec = job_status.simulated_oom
     assert spec("chunked", "chunked", "policy") == "raise"
     assert spec("chunked:reference", "chunked", "policy") is None
     assert spec("gather:policy:kill,chunked", "gather", "policy") == "kill"
     assert spec("chunked_compiled", "chunked", "policy") is None
     assert spec(None, "chunked", "policy") is None
+
+
+def test_worker_pids_and_proc_status():
+    """What memory_soak.py and test_faults.py read of a torchrun job's workers: children by rank, their memory."""
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    procs = [subprocess.Popen(sleeper, env={**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+             for rank in (1, 0)]
+    other = subprocess.Popen(sleeper, env={k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK")})
+    try:
+        expected = {0: procs[1].pid, 1: procs[0].pid}
+        assert job_status.worker_pids(os.getpid()) == job_status.worker_pids(os.getpid(), "LOCAL_RANK") == expected
+        status = job_status.proc_status(procs[0].pid, ("VmRSS", "VmHWM"))
+        assert set(status) == {"VmRSS", "VmHWM"} and 0 < status["VmRSS"] <= status["VmHWM"]
+    finally:
+        for p in (*procs, other):
+            p.kill()
+            p.wait()
+    assert job_status.proc_status(procs[0].pid, ("VmRSS",)) is None
 
 
 def test_gpu_oneshot_help():

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from conftest import CONFIG, REPO, check, torchrun
+from job_status import worker_pids  # benchmarks/job_status.py, as memory_soak.py finds its workers
 
 STEPS, INTERVAL, KILL_AFTER = 8, 2, 2
 TAGS = ("loss_metrics/global_avg_loss", "grad_norm", "grpo/kl", "grpo/reward_mean")
@@ -41,30 +42,6 @@ def _flags(dump: Path, seed: Path) -> list[str]:
     return ["--job.dump_folder", str(dump), "--training.steps", str(STEPS), "--checkpoint.enable",
             "--checkpoint.initial_load_path", str(seed), "--checkpoint.no-last-save-model-only",
             "--checkpoint.interval", str(INTERVAL)]
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            if ppid == pid:
-                out.append(int(entry))
-    return out
-
-
-def _local_rank(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
-    except OSError:
-        return None
-    value = env.get(b"LOCAL_RANK")
-    return int(value) if value is not None else None
 
 
 def launch_and_kill(dump: Path, seed: Path, victim: int = 1, timeout: float = 400):
@@ -86,8 +63,7 @@ def launch_and_kill(dump: Path, seed: Path, victim: int = 1, timeout: float = 40
         try:
             while proc.poll() is None and time.monotonic() < deadline:
                 if killed is None and metadata.exists():
-                    workers = {_local_rank(c): c for c in _children(proc.pid)}
-                    killed = workers[victim]
+                    killed = worker_pids(proc.pid, "LOCAL_RANK")[victim]
                     os.kill(killed, signal.SIGKILL)
                 time.sleep(0.05)
         finally:
