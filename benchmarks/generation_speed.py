@@ -1,4 +1,4 @@
-"""Tokens per second of the KV-cached sampler against the full-forward oracle (plugin.sampler).
+"""Tokens per second of the KV-cached sampler against the full-forward oracle (plugin.generation.sampler).
 
 The GRPO llama3 debugmodel, built as torchtitan's Trainer builds it on one CPU rank, samples a
 batch of prompts with no stop id, so every sequence runs to the new-token budget. Each sampler
@@ -66,7 +66,7 @@ def measure(sampler, prompts, keys, repeats: int):
 
 
 def run(args) -> list[dict]:
-    from plugin.sampler import build_sampler
+    from plugin.generation.sampler import build_sampler
 
     torch.set_num_threads(args.threads)
     budgets = [int(n) for n in args.new_tokens.split(",")]

@@ -3,7 +3,7 @@
 The bundled config (train_configs/debug_cpu.toml, llama3 debugmodel, TP=2) trains from a seed
 checkpoint; then, for each of the 64 held-out groups (data/arith_heldout.jsonl, prompts never in
 training), the margin is mean log p(completion | prompt) of its reward-1 completions minus that
-of its reward-0 completions, log-probs summed over completion tokens with plugin.logprobs. The
+of its reward-0 completions, log-probs summed over completion tokens with plugin.scoring.logprobs. The
 figure is the margin's mean over groups, for the seed weights and for the trained ones.
 
 Simplifications:
@@ -71,9 +71,9 @@ def heldout_margins(model: torch.nn.Module, path: Path = HELDOUT) -> np.ndarray:
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
     from plugin.config import GRPO
-    from plugin.batch import Collate
-    from plugin.logprobs import compute_logprobs
-    from plugin.rollouts import Encoder, index_rollouts
+    from plugin.data.batch import Collate
+    from plugin.scoring.logprobs import compute_logprobs
+    from plugin.data.rollouts import Encoder, index_rollouts
 
     tokenizer = HuggingFaceTokenizer(str(REPO / "plugin/assets/tokenizer"))
     index = index_rollouts(str(path), Encoder(tokenizer, tokenizer.get_vocab_size(), SEQ_LEN))

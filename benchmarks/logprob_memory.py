@@ -46,7 +46,7 @@ class Variant:
     gather: bool  # full_tensor() the vocab-sharded logits, then plain log-probs
     chunked: bool
     compiled: bool
-    # policy: plugin.logprobs.fused_chunked_loss, each chunk's backward run in forward; reference: blocked_logprobs
+    # policy: plugin.scoring.logprobs.fused_chunked_loss, each chunk's backward run in forward; reference: blocked_logprobs
     fused: bool = False
     # TP=1: Liger-Kernel's LigerFusedLinearGRPOLoss (policy) or the reference log-probs it computes (optional, see
     # benchmarks/README.md)
@@ -98,7 +98,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "(--sweep-seq: loss_parallel,chunked; --sweep-chunk: chunked,chunked_compiled)")
     p.add_argument("--passes", default=",".join(PASSES))
     p.add_argument("--vocab-block", type=int, default=0,
-                   help="fused variants: output-layer rows per block (0: plugin.logprobs.VOCAB_BLOCK)")
+                   help="fused variants: output-layer rows per block (0: plugin.scoring.logprobs.VOCAB_BLOCK)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--entropy-bonus", type=float, default=0.0,
                    help="policy loss subtracts this times the mean entropy, with entropy_grad=True")
@@ -169,8 +169,8 @@ def worker(args) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from plugin.internals import isolate_compile_cache
-    from plugin.logprobs import VOCAB_BLOCK, Scoring, blocked_logprobs, chunked_logprobs, fused_chunked_loss
+    from plugin.runtime.internals import isolate_compile_cache
+    from plugin.scoring.logprobs import VOCAB_BLOCK, Scoring, blocked_logprobs, chunked_logprobs, fused_chunked_loss
 
     variant, pass_ = VARIANTS[args.variant_list[0]], args.pass_list[0]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -243,10 +243,10 @@ def worker(args) -> None:
                 loss, logprobs, _ = fused_chunked_loss(hidden, labels, head.norm, head.output.weight, token_loss, scoring)
                 loss.backward()
                 return logprobs
-            if variant.fused:  # the reference's pass in the same vocab blocks, as plugin.model's
+            if variant.fused:  # the reference's pass in the same vocab blocks, as plugin.model.policy's
                 logprobs, _ = blocked_logprobs(hidden, labels, head.norm, head.output.weight, scoring)
                 return logprobs
-            # the reference pass computes no entropy, as plugin.reference's
+            # the reference pass computes no entropy, as plugin.model.reference's
             logprobs, entropy = chunked_logprobs(hidden, labels, score_head, scoring)
             if policy:
                 loss = -(advantages * logprobs).mean()

@@ -37,7 +37,8 @@ MiB = 2**20
 
 def synthetic_rows(seed: int, content: str):
     """Endless flat rollout rows, groups of 8: text (~150 words a completion) or token ids (~200 a completion)."""
-    from plugin.example import _WORDS
+    sys.path.append(str(REPO / "data"))  # the bundled example's word list, in the script that writes data/
+    from example_data import _WORDS
 
     rng = random.Random(seed)
     group = 0
@@ -85,9 +86,9 @@ def measure(path: str) -> dict:
 
     from plugin import cpu
     from plugin.config import GRPO
-    from plugin.batch import BatchPlan, Collate
-    from plugin.data import RolloutDataset
-    from plugin.rollouts import Encoder, index_rollouts
+    from plugin.data.batch import BatchPlan, Collate
+    from plugin.data.loader import RolloutDataset
+    from plugin.data.rollouts import Encoder, index_rollouts
 
     tokenizer = HuggingFaceTokenizer(str(REPO / "plugin/assets/tokenizer"))
     base = cpu.current_rss_bytes()

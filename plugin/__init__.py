@@ -4,17 +4,17 @@ import dataclasses
 
 from torchtitan.protocols.train_spec import get_train_spec, register_train_spec
 
-from . import cpu
+from plugin import cpu
 
 # before torchtitan reads its device type (custom_import runs first in Trainer.__init__)
 cpu.activate()
 
-from .data import build_rollout_dataloader  # noqa: E402
-from .loss import build_grpo_loss  # noqa: E402
-from .metrics import build_grpo_metrics_processor  # noqa: E402
-from .model import FAMILIES, grpo_model_cls  # noqa: E402
-from .optimizer import build_grpo_optimizers  # noqa: E402
-from .parallelize import build_grpo_parallelize_fn  # noqa: E402
+from plugin.data.loader import build_rollout_dataloader  # noqa: E402
+from plugin.model.optimizer import build_grpo_optimizers  # noqa: E402
+from plugin.model.parallelize import build_grpo_parallelize_fn  # noqa: E402
+from plugin.model.policy import FAMILIES, grpo_model_cls  # noqa: E402
+from plugin.runtime.metrics import build_grpo_metrics_processor  # noqa: E402
+from plugin.scoring.loss import build_grpo_loss  # noqa: E402
 
 
 def grpo_train_spec(base_name: str):

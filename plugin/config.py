@@ -11,8 +11,8 @@ from typing import Literal, get_args
 
 from torchtitan.tools.logging import logger
 
-from . import cpu
-from .guard import check_restart_launch, check_resume_checkpoint
+from plugin import cpu
+from plugin.runtime.guard import check_restart_launch, check_resume_checkpoint
 
 
 @dataclass

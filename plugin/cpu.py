@@ -10,7 +10,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 from torchtitan.models.attention import ScaledDotProductAttentionWrapper
 
-from . import internals
+from plugin.runtime import internals
 
 # Modules that copied `device_type` / `device_module` from torchtitan.tools.utils by value.
 _DEVICE_MODULES = (

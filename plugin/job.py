@@ -14,8 +14,8 @@ So what they share is one `GRPOJob`, made by the first builder that asks for it
 The optimizer builder gets the policy from torchtitan and its reference and stats from it.
 """
 
-from .config import validate_job
-from .stats import GRPOStats, OnlineStats
+from plugin.config import validate_job
+from plugin.runtime.stats import GRPOStats, OnlineStats
 
 _ATTRIBUTE = "grpo_job"  # its name on the job's config object
 

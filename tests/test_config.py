@@ -107,14 +107,14 @@ def test_bad_combinations_name_the_keys(overrides, message):
 def test_validate_job_runs_once_at_start_up(monkeypatch):
     """The job's checks run once, when the first of the GRPO TrainSpec's builders asks for the job's GRPOJob."""
     import plugin.job
-    import plugin.loss
-    import plugin.metrics
+    import plugin.scoring.loss
+    import plugin.runtime.metrics
 
     calls = []
     monkeypatch.setattr(plugin.job, "validate_job", lambda cfg: calls.append(cfg))
     cfg = parse()
-    plugin.loss.build_grpo_loss(cfg)
-    plugin.loss.build_grpo_loss(cfg)
+    plugin.scoring.loss.build_grpo_loss(cfg)
+    plugin.scoring.loss.build_grpo_loss(cfg)
     plugin.job.GRPOJob.of(cfg)
     assert calls == [cfg]
 

@@ -135,8 +135,8 @@ def test_reference_pass_keeps_the_step_peak_for_torchtitans_memory_tags():
     """The reference pass resets the peak to measure itself; memory/max_* must still see the step's peak."""
     from torchtitan.components.metrics import DeviceMemoryMonitor
 
-    from plugin.metrics import PeakKeepingMemoryMonitor
-    from plugin.stats import GRPOStats
+    from plugin.runtime.metrics import PeakKeepingMemoryMonitor
+    from plugin.runtime.stats import GRPOStats
 
     if not plugin.cpu.reset_peak_rss():
         pytest.skip("the kernel refuses to reset the peak RSS")

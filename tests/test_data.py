@@ -15,10 +15,10 @@ from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
 from conftest import REPO, parse_config
 from plugin.config import GRPO
-from plugin.batch import BatchPlan, Collate, advantages, loss_weights
-from plugin.data import RolloutDataset, build_rollout_dataloader
+from plugin.data.batch import BatchPlan, Collate, advantages, loss_weights
+from plugin.data.loader import RolloutDataset, build_rollout_dataloader
 from plugin.job import GRPOJob
-from plugin.rollouts import Encoder, RolloutError, index_rollouts
+from plugin.data.rollouts import Encoder, RolloutError, index_rollouts
 
 VOCAB = 2048  # the bundled tokenizer's and the llama3 debugmodel's
 

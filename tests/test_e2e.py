@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import CONFIG, read_checkpoint, scalars, torchrun, train
-from plugin.reference import reference_entries
+from plugin.model.reference import reference_entries
 
 STEPS = 3
 # fp32 everywhere; TP and FSDP only reorder reductions (seen: 1e-5 relative on grad_norm)

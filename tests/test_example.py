@@ -4,6 +4,7 @@ from pathlib import Path
 import pytest
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
+import example_data  # data/, the script that writes the bundled files
 from plugin import example
 
 REPO = Path(__file__).resolve().parents[1]
@@ -58,9 +59,9 @@ def test_reward_rejects_foreign_prompt():
 
 
 def test_generate_rollouts_deterministic_and_grouped():
-    rows = example.generate_rollouts(n_groups=50, group_size=5, seed=7)
-    assert rows == example.generate_rollouts(n_groups=50, group_size=5, seed=7)
-    assert rows != example.generate_rollouts(n_groups=50, group_size=5, seed=8)
+    rows = example_data.generate_rollouts(n_groups=50, group_size=5, seed=7)
+    assert rows == example_data.generate_rollouts(n_groups=50, group_size=5, seed=7)
+    assert rows != example_data.generate_rollouts(n_groups=50, group_size=5, seed=8)
 
     groups: dict[int, list[dict]] = {}
     for row in rows:
@@ -78,7 +79,7 @@ def test_generate_rollouts_deterministic_and_grouped():
 
 def test_generate_rollouts_rejects_singleton_groups():
     with pytest.raises(ValueError):
-        example.generate_rollouts(n_groups=4, group_size=1, seed=0)
+        example_data.generate_rollouts(n_groups=4, group_size=1, seed=0)
 
 
 def test_prompt_pools_partition_the_prompt_space():
@@ -117,7 +118,7 @@ def test_committed_heldout_disjoint_from_train():
 )
 def test_committed_files_match_cli(tmp_path, path, split, groups, seed):
     out = tmp_path / path.name
-    example.main(
+    example_data.main(
         ["rollouts", "--split", split, "--out", str(out), "--groups", str(groups),
          "--group-size", "4", "--seed", str(seed)]
     )
@@ -127,7 +128,7 @@ def test_committed_files_match_cli(tmp_path, path, split, groups, seed):
 def test_tokenizer_loads_in_torchtitan(tokenizer):
     assert tokenizer.get_vocab_size() == 2048
     assert (tokenizer.bos_id, tokenizer.eos_id) == (0, 1)
-    assert tokenizer.token_to_id(example.PAD_TOKEN) == 2
+    assert tokenizer.token_to_id(example_data.PAD_TOKEN) == 2
     # BOS/EOS only when asked for, as torchtitan's text datasets do.
     text = "Q: 37+45= 82\n"
     plain = tokenizer.encode(text)
@@ -150,7 +151,7 @@ def test_tokenizer_covers_rollout_files(tokenizer):
 
 
 def test_tokenizer_cli_is_reproducible(tmp_path):
-    example.main(["tokenizer", "--out", str(tmp_path)])
+    example_data.main(["tokenizer", "--out", str(tmp_path)])
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (tmp_path / name).read_bytes() == (example.TOKENIZER_DIR / name).read_bytes()
 
@@ -213,8 +214,8 @@ def test_compare_pools_partition_the_prompt_space(tokenizer):
 
 
 def test_warmup_rollouts_pair_each_answer_with_an_inert_companion(tokenizer):
-    rows = example.warmup_rollouts(n_groups=50, seed=7)
-    assert rows == example.warmup_rollouts(n_groups=50, seed=7)
+    rows = example_data.warmup_rollouts(n_groups=50, seed=7)
+    assert rows == example_data.warmup_rollouts(n_groups=50, seed=7)
     assert len(rows) == 100 and len({r["prompt"] for r in rows}) == 50
     for right, companion in zip(rows[::2], rows[1::2]):
         assert right["group"] == companion["group"] and right["prompt"] == companion["prompt"]
@@ -223,7 +224,7 @@ def test_warmup_rollouts_pair_each_answer_with_an_inert_companion(tokenizer):
         assert companion == {"prompt": right["prompt"], "completion_ids": [tokenizer.eos_id], "reward": 0.0,
                              "group": right["group"], "logprobs": [0.0]}
     with pytest.raises(ValueError):
-        example.warmup_rollouts(n_groups=17_501, seed=0)
+        example_data.warmup_rollouts(n_groups=17_501, seed=0)
 
 
 def test_warmup_companion_gets_no_gradient(tokenizer):
@@ -234,10 +235,10 @@ def test_warmup_companion_gets_no_gradient(tokenizer):
     import torch
 
     from plugin.config import GRPO
-    from plugin.batch import Collate
-    from plugin.logprobs import compute_logprobs
-    from plugin.loss import grpo_loss, grpo_token_terms
-    from plugin.rollouts import Encoder, index_rollouts
+    from plugin.data.batch import Collate
+    from plugin.scoring.logprobs import compute_logprobs
+    from plugin.scoring.loss import grpo_loss, grpo_token_terms
+    from plugin.data.rollouts import Encoder, index_rollouts
 
     seq_len = 16  # train_configs/online_warmup_cpu.toml
     index = index_rollouts(str(COMPARE_WARMUP), Encoder(tokenizer, 2048, seq_len))
@@ -264,13 +265,13 @@ def test_warmup_companion_gets_no_gradient(tokenizer):
 
 
 def test_prompt_rows():
-    rows = example.prompt_rows("heldout", count=20, seed=5)
-    assert rows == example.prompt_rows("heldout", count=20, seed=5)
+    rows = example_data.prompt_rows("heldout", count=20, seed=5)
+    assert rows == example_data.prompt_rows("heldout", count=20, seed=5)
     assert len({r["prompt"] for r in rows}) == 20
     assert all(example.is_heldout(r["prompt"]) and r["answer"] == example.answer(r["prompt"]) for r in rows)
-    assert len(example.prompt_rows("train", count=None, seed=0)) == 17_500
+    assert len(example_data.prompt_rows("train", count=None, seed=0)) == 17_500
     with pytest.raises(ValueError):
-        example.prompt_rows("heldout", count=0, seed=0)
+        example_data.prompt_rows("heldout", count=0, seed=0)
 
 
 @pytest.mark.parametrize(
@@ -283,7 +284,7 @@ def test_prompt_rows():
 )
 def test_committed_compare_files_match_cli(tmp_path, path, args):
     out = tmp_path / path.name
-    example.main([*args, "--out", str(out)])
+    example_data.main([*args, "--out", str(out)])
     assert out.read_bytes() == path.read_bytes()
 
 

@@ -26,7 +26,7 @@ def build(*overrides):
 
 def batch(rank: int, step: int = 0):
     """This rank's microbatch: completions on the last 10 positions, fp32 values that bf16 would round."""
-    from plugin.batch import Rollouts
+    from plugin.data.batch import Rollouts
 
     g = torch.Generator().manual_seed(100 * step + rank)
     tokens = torch.randint(0, 2048, (B, T), generator=g)

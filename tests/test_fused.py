@@ -18,8 +18,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from conftest import build_model, run_ranks
-from plugin.batch import Rollouts, loss_weights
-from plugin.logprobs import Scoring, blocked_logprobs, chunked_logprobs, compute_logprobs_and_entropy, fused_chunked_loss
+from plugin.data.batch import Rollouts, loss_weights
+from plugin.scoring.logprobs import Scoring, blocked_logprobs, chunked_logprobs, compute_logprobs_and_entropy, fused_chunked_loss
 from test_logprobs import (
     SAME_TOL,
     TOL,
@@ -62,7 +62,7 @@ def train(fused: bool, mode: str, *extra: str, microbatches: int = 1, parallel_d
                                  "--grpo.entropy_coef", "0.01", "--grpo.logprob_chunk_tokens", "12",
                                  "--grpo.dual_clip", "3", *(["--grpo.fused_policy_pass"] if fused else []), *extra,
                                  parallel_dims=parallel_dims)
-    from plugin.loss import build_grpo_loss
+    from plugin.scoring.loss import build_grpo_loss
 
     loss_fn = build_grpo_loss(cfg)
     model.reference.load_once(model, torch.device("cpu"))

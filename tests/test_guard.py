@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from conftest import CONFIG, build_model, check, torchrun
-from plugin.batch import Rollouts
-from plugin.guard import NonFiniteError
-from plugin.loss import build_grpo_loss
+from plugin.data.batch import Rollouts
+from plugin.runtime.guard import NonFiniteError
+from plugin.scoring.loss import build_grpo_loss
 
 B, T = 4, 16
 

@@ -1,6 +1,6 @@
-"""plugin.internals: one test per private torch attribute it uses, each failing with the entry's name and number.
+"""plugin.runtime.internals: one test per private torch attribute it uses, each failing with the entry's name and number.
 
-A failure here means torch changed what plugin.internals relies on: the message says which entry
+A failure here means torch changed what plugin.runtime.internals relies on: the message says which entry
 of its docstring to revisit.
 """
 
@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from conftest import run_ranks
-from plugin import internals
+from plugin.runtime import internals
 
 
 def _fsdp_model():
@@ -99,8 +99,8 @@ def test_no_private_torch_access_outside_internals():
     import pathlib
     import re
 
-    plugin_dir = pathlib.Path(internals.__file__).parent
+    plugin_dir = pathlib.Path(internals.__file__).parents[1]
     pattern = re.compile(r"\btorch(\.\w+)*\._\w|_get_fsdp_state|_training_state|post_forward_mesh_info|_comm_ctx")
-    offenders = [f"{path.name}:{n}: {line.strip()}" for path in sorted(plugin_dir.glob("*.py")) if path.name != "internals.py"
+    offenders = [f"{path.name}:{n}: {line.strip()}" for path in sorted(plugin_dir.rglob("*.py")) if path.name != "internals.py"
                  for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
     assert not offenders, "private torch access outside plugin/internals.py:\n" + "\n".join(offenders)

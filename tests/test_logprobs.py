@@ -30,8 +30,8 @@ from torch.utils._pytree import tree_leaves
 from torchtitan.components.loss import IGNORE_INDEX
 
 from conftest import run_ranks
-from plugin.internals import isolate_compile_cache
-from plugin.logprobs import (
+from plugin.runtime.internals import isolate_compile_cache
+from plugin.scoring.logprobs import (
     Scoring,
     chunk_tokens_for,
     chunked_logprobs,

@@ -5,9 +5,9 @@ import torch
 
 from conftest import REPO, parse_config
 from torchtitan.config import ConfigManager
-from plugin.loss import build_grpo_loss, grpo_token_terms, kl_penalty
+from plugin.scoring.loss import build_grpo_loss, grpo_token_terms, kl_penalty
 from plugin.job import GRPOJob
-from plugin.model import PolicyOutput
+from plugin.model.policy import PolicyOutput
 from torchtitan.components.loss import IGNORE_INDEX
 
 KL_CLAMP, KL_MAX = 20.0, 10.0  # [grpo] kl_log_ratio_clamp and kl_max defaults, as verl's low_var_kl
@@ -127,7 +127,7 @@ def test_on_policy_loss_sum_and_gradient():
 
 def torch_reference_loss(lp, old, ref, adv, w, mask, *, beta, est, ratio_cap, clamp, kl_max, correction,
                          clip_low=0.2, clip_high=0.28):
-    """fp64 torch reference, written apart from plugin.loss: autograd through it gives the expected gradient."""
+    """fp64 torch reference, written apart from plugin.scoring.loss: autograd through it gives the expected gradient."""
     raw = torch.exp(lp - old)
     r = torch.minimum(raw, torch.tensor(ratio_cap, dtype=lp.dtype)) if ratio_cap else raw
     a = adv[:, None]

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import run_ranks
-from plugin.stats import GRPOStats
+from plugin.runtime.stats import GRPOStats
 
 SYNCING = ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy")
 

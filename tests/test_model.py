@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import build_model
-from plugin.model import GRPOModel, grpo_model_cls
+from plugin.model.policy import GRPOModel, grpo_model_cls
 
 
 @pytest.mark.parametrize("name", ["grpo_llama3", "grpo_qwen3"])

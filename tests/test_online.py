@@ -10,15 +10,15 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
 from conftest import REPO, parse_config
-from plugin.batch import BatchPlan, Collate, advantages
+from plugin.data.batch import BatchPlan, Collate, advantages
 from plugin.config import GRPO, Online
 from plugin.job import GRPOJob
-from plugin.metrics import GRPOMetricsProcessor
-from plugin.online import OnlineDataset, load_prompts, sample_key
-from plugin.stats import OnlineStats
-from plugin.rewards import RewardError, load_reward_fns, score
-from plugin.rollouts import Encoder, RolloutError
-from plugin.sampler import Samples
+from plugin.runtime.metrics import GRPOMetricsProcessor
+from plugin.data.online import OnlineDataset, load_prompts, sample_key
+from plugin.runtime.stats import OnlineStats
+from plugin.data.rewards import RewardError, load_reward_fns, score
+from plugin.data.rollouts import Encoder, RolloutError
+from plugin.generation.sampler import Samples
 from test_data import VOCAB, write
 
 
@@ -237,7 +237,7 @@ def test_online_stats_share_and_rates():
 
 def test_the_metrics_processor_gets_the_jobs_statistics(monkeypatch):
     """The online dataset's builder and the metrics processor's share the job's OnlineStats; the loss, its GRPOStats."""
-    from plugin.metrics import build_grpo_metrics_processor
+    from plugin.runtime.metrics import build_grpo_metrics_processor
 
     built = {}
     monkeypatch.setattr(GRPOMetricsProcessor, "__init__", lambda self, *a, **kw: built.update(kw))

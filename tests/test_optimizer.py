@@ -1,4 +1,4 @@
-"""The GRPO optimizer container (plugin.optimizer): a named class built by the TrainSpec's builder.
+"""The GRPO optimizer container (plugin.model.optimizer): a named class built by the TrainSpec's builder.
 
 A full checkpoint written by main at f2b79fe, whose container was torchtitan's with its class
 swapped in place, resumes bitwise: tests/fixtures/make_old_checkpoint.py wrote it there.
@@ -11,8 +11,8 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from fixtures.make_old_checkpoint import FLAGS, OUT, add_tiny_flavor, batch, flat, step
 from conftest import build_model, parse_config
-from plugin.optimizer import STEP_KEY, GRPOOptimizersContainer, build_grpo_optimizers
-from plugin.reference import REFERENCE_PREFIX
+from plugin.model.optimizer import STEP_KEY, GRPOOptimizersContainer, build_grpo_optimizers
+from plugin.model.reference import REFERENCE_PREFIX
 
 
 def test_a_checkpoint_of_the_class_swapping_container_resumes_bitwise():

@@ -19,7 +19,7 @@ from torchtitan.protocols.train_spec import get_train_spec
 
 from conftest import CONFIG, REPO, build_model, check, parse_config, read_checkpoint, scalars_by_step, torchrun
 from plugin import config as grpo_config
-from plugin.reference import load_reference_checkpoint, reference_entries
+from plugin.model.reference import load_reference_checkpoint, reference_entries
 
 EXPORT_STEPS = 2
 parse = parse_config
@@ -121,8 +121,8 @@ def test_beta_zero_builds_and_runs_no_reference():
 def test_reference_logprobs_in_the_rollouts_replace_the_reference_pass():
     """Rollouts carrying the reference's log-probs: no reference pass runs, and the loss and its gradients are
     those of the pass that computes the same values."""
-    from plugin.batch import Rollouts
-    from plugin.loss import build_grpo_loss
+    from plugin.data.batch import Rollouts
+    from plugin.scoring.loss import build_grpo_loss
 
     model, cfg, *_ = build("--grpo.entropy_coef", "0.01")
     loss_fn = build_grpo_loss(cfg)
@@ -158,7 +158,7 @@ def test_reference_logprobs_in_the_rollouts_replace_the_reference_pass():
 
 def test_first_forward_loads_the_reference_also_without_its_pass():
     """A run whose first batches carry reference log-probs still starts the reference at the policy's weights."""
-    from plugin.batch import Rollouts
+    from plugin.data.batch import Rollouts
 
     model, *_ = build()
     tokens, labels = batch()

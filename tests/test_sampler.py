@@ -15,7 +15,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from conftest import build_model, run_ranks
-from plugin.sampler import KVCache, KVCacheSampler, NoCacheSampler, _mix, build_sampler, sample, uniforms
+from plugin.generation.sampler import KVCache, KVCacheSampler, NoCacheSampler, _mix, build_sampler, sample, uniforms
 
 SEQ_LEN = 48  # the RoPE table: [training] seq_len
 N = 12  # max_new_tokens
@@ -105,7 +105,7 @@ def run_layout(tmp_path_factory, tp, dp, names, stops):
 
 
 def _concat(parts):
-    from plugin.sampler import Samples
+    from plugin.generation.sampler import Samples
 
     return Samples(*(sum((getattr(p, f) for p in parts), []) for f in ("completions", "logprobs", "truncated")))
 

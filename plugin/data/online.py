@@ -5,7 +5,7 @@ dataloader before the model. So the dataset samples: it finds the parallelized p
 job's GRPOJob (the parallelize function puts it there), and the first `next()` of a batch's
 first step generates G completions for each of this rank's prompts, scores them with the reward
 functions, gathers rewards and lengths from the other DP ranks (advantages and loss weights are
-global), and cuts the same microbatches as file rollouts (plugin.batch's plan and Collate).
+global), and cuts the same microbatches as file rollouts (plugin.data.batch's plan and Collate).
 Generation time therefore also shows as torchtitan's data-loading time.
 
 With `[online] num_iterations` = mu > 1 a batch is trained on for mu optimizer steps. The
@@ -33,15 +33,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
-
 from torchtitan.tools.logging import logger
 
-from .batch import GroupStream, Rollouts
-from .job import GRPOJob
-from .stats import OnlineStats
-from .rewards import load_reward_fns, score
-from .rollouts import BadRow, Completion, JsonlFile, ParquetFile, RolloutError, report, rollout_format
-from .sampler import build_sampler, max_prompt_tokens
+from plugin.data.batch import GroupStream, Rollouts
+from plugin.data.rewards import load_reward_fns, score
+from plugin.data.rollouts import BadRow, Completion, JsonlFile, ParquetFile, RolloutError, report, rollout_format
+from plugin.generation.sampler import build_sampler, max_prompt_tokens
+from plugin.job import GRPOJob
+from plugin.runtime.stats import OnlineStats
 
 PROMPT_FIELDS = ("prompt", "prompt_ids")
 
@@ -114,7 +113,7 @@ class OnlineDataset(IterableDataset, Stateful):
         """The parallelized policy (built after this dataset) to sample from, its sampler and the DP group."""
         self.policy, parallel_dims = self.job.policy, self.job.parallel_dims
         if self.policy is None:
-            raise RuntimeError("online mode: the policy was never parallelized for this job (plugin.parallelize "
+            raise RuntimeError("online mode: the policy was never parallelized for this job (plugin.model.parallelize "
                                "hands it over; is [model] name a grpo_* model?)")
         if parallel_dims.dp_enabled:
             self.dp_group = parallel_dims.get_optional_mesh("batch").get_group()
@@ -235,7 +234,7 @@ class OnlineDataset(IterableDataset, Stateful):
 
 
 def build_online_dataset(job_config, job: GRPOJob, tokenizer, encoder, batching):
-    """The online dataset for [training] dataset_path's prompts; `batching` (plugin.data) cuts batches as for files."""
+    """The online dataset for [training] dataset_path's prompts; `batching` (plugin.data.loader) cuts batches as for files."""
     training, grpo, online, cfg = job_config.training, job_config.grpo, job_config.online, job_config.rollout_data
     G = online.num_generations
     if grpo.group_size not in (0, G):

@@ -6,7 +6,7 @@
    checkpoints save and exports do not, so its state dict carries them (`grpo_reference.*`).
 2. Every [reference_model] sync_steps applied steps, a step post-hook moves the reference
    toward the policy.
-3. No update from a step with a non-finite term (plugin.guard), and the steps asked for are
+3. No update from a step with a non-finite term (plugin.runtime.guard), and the steps asked for are
    counted in the state dict (`grpo_step_calls`).
 The entries' names are those of the checkpoints written before this module existed.
 """
@@ -16,9 +16,9 @@ import torch.nn as nn
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.tools.logging import logger
 
-from .guard import nonfinite_terms, refuse_step
-from .stats import GRPOStats
-from .reference import REFERENCE_PREFIX, Reference
+from plugin.model.reference import REFERENCE_PREFIX, Reference
+from plugin.runtime.guard import nonfinite_terms, refuse_step
+from plugin.runtime.stats import GRPOStats
 
 STEP_KEY = "grpo_step_calls"
 OPTIMIZERS = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}  # torchtitan's build_optimizers' choice

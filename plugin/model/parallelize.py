@@ -7,18 +7,18 @@ from typing import Callable
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.models.llama3.infra.parallelize import disable_fsdp_gradient_division
 from torchtitan.tools.logging import logger
 
-from . import cpu, internals
-from .config import compiles_loss
-from .job import GRPOJob
-from .logprobs import Scoring, chunk_tokens_for
-from .loss import token_terms_fn
-from .model import ties_weights
-from .reference import Reference
+from plugin import cpu
+from plugin.config import compiles_loss
+from plugin.job import GRPOJob
+from plugin.model.policy import ties_weights
+from plugin.model.reference import Reference
+from plugin.runtime import internals
+from plugin.scoring.logprobs import Scoring, chunk_tokens_for
+from plugin.scoring.loss import token_terms_fn
 
 
 def build_grpo_parallelize_fn(base_parallelize: Callable) -> Callable:

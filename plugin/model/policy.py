@@ -25,13 +25,12 @@ from typing import Callable
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
-
 from torchtitan.components.loss import IGNORE_INDEX
 
-from . import internals
-from .logprobs import Scoring, blocked_logprobs, chunked_logprobs, fused_chunked_loss, local_chunk
-from .stats import GRPOStats
-from .reference import Reference
+from plugin.model.reference import Reference
+from plugin.runtime import internals
+from plugin.runtime.stats import GRPOStats
+from plugin.scoring.logprobs import Scoring, blocked_logprobs, chunked_logprobs, fused_chunked_loss, local_chunk
 
 # the torchtitan model families the plugin registers, and the name of each one's RoPE buffer
 FAMILIES = {"llama3": "freqs_cis", "qwen3": "rope_cache"}
@@ -62,8 +61,8 @@ class GRPOModel:
         super().__init__(model_args)
         self.scoring = Scoring()
         self.stats: GRPOStats | None = None
-        self.reference: Reference | None = None  # not a submodule (plugin.reference says why)
-        # [grpo] fused_policy_pass: the per-token GRPO terms (plugin.loss.grpo_token_terms with the run's settings)
+        self.reference: Reference | None = None  # not a submodule (plugin.model.reference says why)
+        # [grpo] fused_policy_pass: the per-token GRPO terms (plugin.scoring.loss.grpo_token_terms with the run's settings)
         # that the policy pass differentiates chunk by chunk; None: log-probs go to the loss
         self.token_terms: Callable | None = None
         self.head_reshard_after_forward = False  # the FSDP policy of the head's group, see head_comms_once
@@ -81,7 +80,7 @@ class GRPOModel:
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, rollouts=None, **kwargs):
         """Logits without labels (torchtitan's own use); with labels, the loss's input: the policy's log-probs and
-        the reference's, and the batch's per-completion values from its `rollouts` (plugin.batch.Rollouts)."""
+        the reference's, and the batch's per-completion values from its `rollouts` (plugin.data.batch.Rollouts)."""
         if labels is None:
             return super().forward(tokens, **kwargs)
         r = None if rollouts is None else rollouts.to(tokens.device)

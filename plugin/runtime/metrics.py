@@ -1,11 +1,10 @@
-"""The GRPO metrics processor: torchtitan's, plus the job's grpo/* and online/* statistics (plugin.stats)."""
+"""The GRPO metrics processor: torchtitan's, plus the job's grpo/* and online/* statistics (plugin.runtime.stats)."""
 
 import torch
-
 from torchtitan.components.metrics import MetricsProcessor
 
-from .job import GRPOJob
-from .stats import GIB, GRPOStats, OnlineStats
+from plugin.job import GRPOJob
+from plugin.runtime.stats import GIB, GRPOStats, OnlineStats
 
 
 class PeakKeepingMemoryMonitor:

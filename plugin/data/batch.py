@@ -1,6 +1,6 @@
 """A global batch of whole groups -> a rank's microbatches: the batch plan, the group stream, the collate.
 
-Shared by rollout files (plugin.data) and online mode (plugin.online). Rewards are normalized
+Shared by rollout files (plugin.data.loader) and online mode (plugin.data.online). Rewards are normalized
 within a group, so a group is never split across batches or ranks.
 
 Token layout of one completion (P prompt tokens, C completion tokens):
@@ -8,7 +8,7 @@ Token layout of one completion (P prompt tokens, C completion tokens):
     input    = sequence[:-1], right-padded to seq_len with the pad (EOS) id
     labels   = sequence[1:], IGNORE_INDEX where the target is a prompt token or padding
 so the loss mask (labels != IGNORE_INDEX) covers exactly the C completion tokens; nothing is
-truncated (a longer row is a bad row, see plugin.rollouts).
+truncated (a longer row is a bad row, see plugin.data.rollouts).
 """
 
 import math
@@ -16,10 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
 from torchtitan.components.loss import IGNORE_INDEX
 
-from .rollouts import Completion
+from plugin.data.rollouts import Completion
 
 
 class Rollouts:

@@ -26,7 +26,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
 
-from . import internals
+from plugin.runtime import internals
 
 
 @dataclass

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.utils.checkpoint import checkpoint
-
 from torchtitan.components.loss import IGNORE_INDEX
 
 

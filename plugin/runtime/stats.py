@@ -7,7 +7,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from . import cpu
+from plugin import cpu
 
 GIB = 1024**3
 
@@ -22,15 +22,15 @@ class GRPOStats:
     """Running sums since the last log, filled by the model (reference pass) and the loss (tokens)."""
 
     def __init__(self, on_nonfinite: str = "raise", skipped_rows: int = 0):
-        self.on_nonfinite = on_nonfinite  # [grpo] on_nonfinite, for plugin.guard
+        self.on_nonfinite = on_nonfinite  # [grpo] on_nonfinite, for plugin.runtime.guard
         # rows of the data file left out by [rollout_data] on_error = "skip", counted by the dataloader builder;
         # every rank reads the whole file, so no reduction
         self.skipped_rows = skipped_rows
         # the device's (active, reserved) peaks before each reference pass reset them, see
         # PeakKeepingMemoryMonitor, which clears them when torchtitan resets the peaks at log time
         self.device_peaks = (0, 0)
-        self.nonfinite = None  # per plugin.guard.TERMS, counts since the last optimizer step, on the device
-        self.skipped_steps = 0  # steps whose update plugin.guard dropped
+        self.nonfinite = None  # per plugin.runtime.guard.TERMS, counts since the last optimizer step, on the device
+        self.skipped_steps = 0  # steps whose update plugin.runtime.guard dropped
         self.reset()
 
     def reset(self) -> None:
@@ -61,7 +61,7 @@ class GRPOStats:
 
     @torch.no_grad()
     def record_nonfinite(self, *terms: torch.Tensor | None) -> None:
-        """Count NaN/inf entries of each of plugin.guard.TERMS, on the device (None: the term is absent)."""
+        """Count NaN/inf entries of each of plugin.runtime.guard.TERMS, on the device (None: the term is absent)."""
         zero = torch.zeros((), dtype=torch.float64, device=terms[-1].device)
         row = torch.stack([zero if t is None else (~torch.isfinite(t)).sum(dtype=torch.float64) for t in terms])
         self.nonfinite = row if self.nonfinite is None else self.nonfinite + row
@@ -145,7 +145,7 @@ class GRPOStats:
 class OnlineStats:
     """Generation and reward figures of the sampled batches since the last log.
 
-    plugin.online gathers each batch's figures from every DP rank before recording them, so
+    plugin.data.online gathers each batch's figures from every DP rank before recording them, so
     every rank holds the same global values and nothing is reduced at log time.
     """
 

@@ -1,8 +1,8 @@
 """Rollout index -> GRPO microbatches, and the GRPO TrainSpec's dataloader builder.
 
-`plugin.rollouts` checks and indexes the rollout file; this module cuts the index's groups into
-global batches and a rank's microbatches (plugin.batch), and reads only the rows a microbatch
-trains on. In online mode the builder hands the prompt file to plugin.online instead.
+`plugin.data.rollouts` checks and indexes the rollout file; this module cuts the index's groups into
+global batches and a rank's microbatches (plugin.data.batch), and reads only the rows a microbatch
+trains on. In online mode the builder hands the prompt file to plugin.data.online instead.
 """
 
 from typing import Any
@@ -11,15 +11,14 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
-
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.logging import logger
 
-from .batch import BatchPlan, Collate, GroupStream
-from .job import GRPOJob
-from .online import build_online_dataset
-from .rollouts import Encoder, RolloutError, RolloutIndex, index_rollouts
+from plugin.data.batch import BatchPlan, Collate, GroupStream
+from plugin.data.online import build_online_dataset
+from plugin.data.rollouts import Encoder, RolloutError, RolloutIndex, index_rollouts
+from plugin.job import GRPOJob
 
 
 class RolloutDataset(IterableDataset, Stateful):

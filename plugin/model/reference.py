@@ -11,7 +11,7 @@ clipping, FSDP gradient reduction and checkpoint/export of `model_parts` only se
    checkpoint_path, else the policy's weights; unless a full checkpoint restored it.
 4. sync: every sync_steps optimizer steps, an optimizer step post-hook moves it toward the policy.
 5. offload: with [reference_model] offload its weights visit the device only for its forward.
-6. checkpoint: saved with the optimizer's state, see plugin.optimizer.
+6. checkpoint: saved with the optimizer's state, see plugin.model.optimizer.
 """
 
 import copy
@@ -23,11 +23,10 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.fsdp import FSDPModule
-
 from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.logging import logger
 
-from . import cpu
+from plugin import cpu
 
 # the reference's entries in the optimizer container's state dict (and so in full checkpoints)
 REFERENCE_PREFIX = "grpo_reference."

@@ -9,13 +9,12 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.tools.logging import logger
 
-from .config import compiles_loss
-from .job import GRPOJob
-from .logprobs import maybe_compiled
+from plugin.config import compiles_loss
+from plugin.job import GRPOJob
+from plugin.scoring.logprobs import maybe_compiled
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str, *,
@@ -114,7 +113,7 @@ def grpo_loss(pred, labels: torch.Tensor, *, token_terms_fn, stats=None) -> torc
     loss = terms.loss.sum() if fused is None else fused
     if stats is not None:
         stats.record_tokens(terms, mask, pred)
-        # plugin.guard checks these before the optimizer step, in plugin.guard.TERMS order
+        # plugin.runtime.guard checks these before the optimizer step, in plugin.runtime.guard.TERMS order
         stats.record_nonfinite(pred.advantages, pred.ref_logprobs, pred.logprobs * mask, loss.detach())
     return loss
 

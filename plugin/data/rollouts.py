@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from itertools import groupby
 
 import numpy as np
-
 from torchtitan.tools.logging import logger
 
 FORMATS = ("jsonl", "parquet")

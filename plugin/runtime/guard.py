@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.tensor import DTensor
-
 from torchtitan.tools.logging import logger
 
 # what GRPOStats.record_nonfinite counts, in the order data flows, then the gradients

@@ -1,0 +1,1 @@
+"""Generation: sampling completions from the training policy on its own mesh."""
