@@ -35,6 +35,7 @@ _BLOCK = {
 }
 _TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
+_REQUIRED = object()  # GGUFFile.get's default: a missing key is an error
 # GGUF token types (llama.cpp's llama_token_type)
 CONTROL, USER_DEFINED = 3, 4
 
@@ -59,7 +60,10 @@ class GGUFFile:
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"--gguf {self.path}: no such file")
-        self.reader = GGUFReader(self.path)
+        try:
+            self.reader = GGUFReader(self.path)
+        except (ValueError, OSError) as e:  # gguf's own message names neither the file nor the flag
+            raise ValueError(f"--gguf {self.path}: not a readable GGUF file ({e})") from None
         self.arch = self.get("general.architecture")
         if self.arch != "llama":
             raise ValueError(f"{self.path}: general.architecture is {self.arch!r}; only 'llama' converts")
@@ -67,15 +71,15 @@ class GGUFFile:
             # config.json would need a rope_scaling block and torchtitan a matching RoPEScalingArgs
             raise ValueError(f"{self.path}: {self.arch}.rope.scaling.type is set; only RoPE without scaling converts")
 
-    def get(self, key: str, default=KeyError):
+    def get(self, key: str, default=_REQUIRED):
         field = self.reader.fields.get(key)
         if field is None:
-            if default is KeyError:
-                raise KeyError(f"{self.path}: no metadata key {key!r}")
+            if default is _REQUIRED:
+                raise ValueError(f"{self.path}: no metadata key {key!r}")
             return default
         return field.contents()
 
-    def model(self, key: str, default=KeyError):
+    def model(self, key: str, default=_REQUIRED):
         """An architecture key, e.g. model("block_count") reads llama.block_count."""
         return self.get(f"{self.arch}.{key}", default)
 
@@ -257,7 +261,10 @@ def main(argv=None) -> None:
     parser.add_argument("--gguf", type=Path, default=None,
                         help=f"a llama GGUF file; default: {PACKAGE_FILE} of the installed {PACKAGE} package")
     args = parser.parse_args(argv)
-    out = convert(args.gguf or default_gguf_path(), args.out)
+    try:
+        out = convert(args.gguf or default_gguf_path(), args.out)
+    except (FileNotFoundError, ValueError) as e:
+        parser.error(str(e))  # the message names the file and the key: exit status 2, no traceback
     print(f"wrote {out}")
 
 

@@ -7,6 +7,7 @@ the `smollm2_135m` flavor, the shape of SmolLM2-135M(-Instruct) that plugin.conv
 Flavors of torchtitan's own are untouched: their args have no tying field and build as before.
 """
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +32,7 @@ class TiedTransformerModelArgs(TransformerModelArgs):
             raise ValueError(
                 f"[parallelism] tensor_parallel_degree = {tp} does not divide [model] flavor "
                 f"{job_config.model.flavor!r}'s {self.n_heads} attention heads and {n_kv_heads} KV heads: "
-                "use a degree that divides both (1 here), and data_parallel_shard_degree for more ranks"
+                f"use a divisor of {math.gcd(self.n_heads, n_kv_heads)}, and data_parallel_shard_degree for more ranks"
             )
 
 
@@ -56,7 +57,7 @@ class TiedStateDictAdapter(Llama3StateDictAdapter):
     torchtitan's adapter permutes wq/wk rows by viewing [n_heads * head_dim, dim] as [n_heads, ...];
     a DTensor sharded by rows over a degree that does not divide n_heads (SmolLM2's 9 heads, FSDP=2)
     refuses that view ("Cannot unflatten unevenly sharded tensor"). The permutation is done on the
-    full tensor instead (a [576, 576] matrix here), and resharded as it was.
+    full tensor instead (a [576, 576] matrix here), and resharded as it was; other layouts are left to torchtitan.
     """
 
     def _permute(self, w, n_heads_arg, dim1=None, dim2=None):
@@ -77,12 +78,15 @@ class TiedStateDictAdapter(Llama3StateDictAdapter):
         return super().from_hf(hf_state_dict)
 
 
-def on_full_tensor(fn, w, *args):
-    """fn(w, *args); for a DTensor, fn of its full tensor, sharded back to w's placements."""
+def on_full_tensor(fn, w, n_heads: int, *args):
+    """fn(w, n_heads, *args); for a DTensor whose row shards split a head, fn of its full tensor, resharded as w."""
     if not isinstance(w, DTensor):
-        return fn(w, *args)
+        return fn(w, n_heads, *args)
+    row_shards = math.prod(w.device_mesh.size(i) for i, p in enumerate(w.placements) if p.is_shard(0))
+    if n_heads % row_shards == 0:  # torchtitan's own flavors: its view works on the shards
+        return fn(w, n_heads, *args)
     # every rank holds the same full tensor: each keeps its own shard, no scatter needed
-    return distribute_tensor(fn(w.full_tensor(), *args), w.device_mesh, w.placements, src_data_rank=None)
+    return distribute_tensor(fn(w.full_tensor(), n_heads, *args), w.device_mesh, w.placements, src_data_rank=None)
 
 
 def ties(model_args) -> bool:
