@@ -10,6 +10,7 @@ from plugin import cpu
 cpu.activate()
 
 from plugin.data.loader import build_rollout_dataloader  # noqa: E402
+from plugin.model.llama3 import llama3_family  # noqa: E402
 from plugin.model.optimizer import build_grpo_optimizers  # noqa: E402
 from plugin.model.parallelize import build_grpo_parallelize_fn  # noqa: E402
 from plugin.model.policy import FAMILIES, grpo_model_cls  # noqa: E402
@@ -20,6 +21,8 @@ from plugin.scoring.loss import build_grpo_loss  # noqa: E402
 def grpo_train_spec(base_name: str):
     """torchtitan's TrainSpec for `base_name` with only what GRPO changes swapped in."""
     base = get_train_spec(base_name)
+    if base_name == "llama3":  # weight tying and the smollm2_135m flavor (plugin.model.llama3)
+        base = dataclasses.replace(base, **llama3_family(base))
     return dataclasses.replace(
         base,
         model_cls=grpo_model_cls(base.model_cls, base_name),

@@ -94,6 +94,16 @@ def test_entry_5_inductor_cache_dir(tmp_path, monkeypatch):
     assert cache_dir() == str(tmp_path / "rank_1")
 
 
+def test_entry_6_torchtitan_llama3_permute():
+    from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAdapter
+
+    for name in ("_permute", "_reverse_permute"):
+        fn = getattr(Llama3StateDictAdapter, name, None)
+        assert callable(fn), f"entry 6: torchtitan's Llama3StateDictAdapter.{name} is gone"
+        params = list(inspect.signature(fn).parameters)
+        assert params[:3] == ["self", "w", "n_heads_arg"], f"entry 6: Llama3StateDictAdapter.{name} takes {params} now"
+
+
 def test_no_private_torch_access_outside_internals():
     """The other modules reach no private torch attribute (a name with a leading underscore on a torch object)."""
     import pathlib

@@ -1,4 +1,4 @@
-"""Every private torch attribute the plugin touches, each with why no public call serves.
+"""Every private torch (and torchtitan) attribute the plugin touches, each with why no public call serves.
 
 Checked on torch 2.11 (the lent GPU machines) and 2.13.0 (CPU); tests/test_internals.py has a
 test per entry that fails naming the entry when torch changes it.
@@ -21,6 +21,10 @@ test per entry that fails naming the entry when torch changes it.
 5. `torch._inductor.runtime.cache_dir_utils.cache_dir` (`isolate_compile_cache`): the default
    inductor cache folder, to give each rank its own below it (pytorch/pytorch#188390); the
    public knob, TORCHINDUCTOR_CACHE_DIR, can only be set, not read back as inductor resolves it.
+6. torchtitan's `Llama3StateDictAdapter._permute` / `_reverse_permute`, overridden by
+   plugin.model.llama3's adapter: its public to_hf/from_hf permute Q/K rows through a view that a
+   DTensor whose row shards split a head refuses (SmolLM2's 9 heads on 2 FSDP ranks); checked on
+   torchtitan 0.2.2.
 """
 
 import os

