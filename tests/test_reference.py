@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torchtitan.protocols.train_spec import get_train_spec
 
 from conftest import CONFIG, REPO, build_model, check, parse_config, read_checkpoint, scalars_by_step, torchrun
+from fixtures.make_old_checkpoint import flat, step  # seeded gradients and an optimizer step; the weights as a vector
 from plugin import config as grpo_config
 from plugin.model.reference import load_reference_checkpoint, reference_entries
 
@@ -183,18 +184,6 @@ def test_offload_is_a_noop_on_cpu():
     assert all(p.device.type == "cpu" for p in model.reference.module.parameters())
 
 
-def _step(container, model, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    for p in model.parameters():
-        p.grad = torch.randn(p.shape, generator=g)
-    container.step()
-
-
-def flat(module) -> torch.Tensor:
-    """All of a (single-process) module's weights as one vector, in state-dict order (a copy)."""
-    return torch.cat([v.detach().flatten() for v in get_model_state_dict(module).values()])
-
-
 def test_sync_moves_reference_toward_policy_and_survives_resume():
     alpha = 0.3
     flags = ("--reference_model.sync_steps", "2", "--reference_model.sync_alpha", str(alpha))
@@ -207,9 +196,9 @@ def test_sync_moves_reference_toward_policy_and_survives_resume():
     container = spec.build_optimizers_fn([model], cfg.optimizer, pd)
 
     ref0 = flat(model.reference.module)
-    _step(container, model, 1)
+    step(container, model, 1)
     assert torch.equal(flat(model.reference.module), ref0)  # step 1: no sync
-    _step(container, model, 2)
+    step(container, model, 2)
     ref2 = flat(model.reference.module)
     torch.testing.assert_close(ref2, alpha * flat(model) + (1 - alpha) * ref0, rtol=1e-6, atol=1e-7)
 
@@ -221,9 +210,9 @@ def test_sync_moves_reference_toward_policy_and_survives_resume():
     resumed_container.load_state_dict(saved)
     assert resumed_container.applied_steps == 2 and resumed.reference.loaded
     assert torch.equal(flat(resumed.reference.module), ref2)
-    _step(resumed_container, resumed, 3)
+    step(resumed_container, resumed, 3)
     assert torch.equal(flat(resumed.reference.module), ref2)
-    _step(resumed_container, resumed, 4)
+    step(resumed_container, resumed, 4)
     torch.testing.assert_close(flat(resumed.reference.module), alpha * flat(resumed) + (1 - alpha) * ref2, rtol=1e-6, atol=1e-7)
 
 
@@ -271,7 +260,7 @@ def test_reference_starts_from_hf_initial_weights(tmp_path, exports):
     reference = reference_of(read_checkpoint(tmp_path / "checkpoint/step-2"))
     assert set(reference) == set(expected)
     assert all(torch.equal(reference[k], v) for k, v in expected.items())
-    assert scalars_by_step(tmp_path)["grpo/kl"][1] == 0
+    assert scalars_bystep(tmp_path)["grpo/kl"][1] == 0
 
 
 RESUME_STEPS, RESUME_AT = 6, 3
@@ -292,7 +281,7 @@ def resumed_runs(tmp_path_factory, seed_checkpoint, exports) -> dict:
 
 
 def test_resume_continues_bitwise(resumed_runs):
-    straight, split = (scalars_by_step(resumed_runs[k]) for k in ("straight", "split"))
+    straight, split = (scalars_bystep(resumed_runs[k]) for k in ("straight", "split"))
     assert sorted(split["loss_metrics/global_avg_loss"]) == list(range(1, RESUME_STEPS + 1))
     for tag in ("loss_metrics/global_avg_loss", "grad_norm", "grpo/kl"):
         assert split[tag] == straight[tag], tag
@@ -312,7 +301,7 @@ def test_beta_zero_run_has_no_reference(tmp_path, seed_checkpoint):
                   "--checkpoint.no-last-save-model-only", "--checkpoint.interval", "1000")
     log = proc.stdout + proc.stderr
     assert "[grpo] beta = 0: no reference model is built" in log and "Reference model" not in log
-    tags = scalars_by_step(tmp_path)
+    tags = scalars_bystep(tmp_path)
     assert "loss_metrics/global_avg_loss" in tags
     assert not [t for t in tags if t.startswith("grpo/ref_")]
     assert not reference_of(read_checkpoint(tmp_path / "checkpoint/step-2"))
