@@ -96,6 +96,40 @@ def test_tokenizer_matches_transformers(hf_dir, oracle_tok):
     assert (config["bos_token"], config["eos_token"], config["pad_token"]) == ("<|im_start|>", "<|im_end|>", "<|im_end|>")
 
 
+def conversations() -> list[list[dict]]:
+    """MESSAGES and random ones: with and without a system message, several turns, odd text."""
+    rng = random.Random(1)
+    pieces = ["What is 12 + 35?", "Reply with only the number.", " spaced  out ", "line\nbreak\n\n", "日本語 🤖",
+              "<|im_end|> inside", "{{ not jinja }}", "", "don't", "x" * 40]
+    out = list(MESSAGES)
+    for _ in range(40):
+        turns = [{"role": "system", "content": rng.choice(pieces)}] if rng.random() < 0.5 else []
+        for t in range(rng.randint(1, 3)):
+            turns += [{"role": "user", "content": " ".join(rng.sample(pieces, 2))},
+                      {"role": "assistant", "content": rng.choice(pieces)}]
+        out.append(turns[:-1])  # ends with the user's turn
+    return out
+
+
+def test_chat_prompts_match_transformers_apply_chat_template(hf_dir, oracle_tok):
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    from plugin.data.chat import ChatTemplate
+    from plugin.data.rollouts import Encoder
+
+    chat = ChatTemplate.from_folder(str(hf_dir))
+    titan = HuggingFaceTokenizer(str(hf_dir))
+    encoder = Encoder(titan, 49152, 4096, "", chat)
+    chats = conversations()
+    assert sum(m[0]["role"] == "system" for m in chats) >= 10 and sum(m[0]["role"] != "system" for m in chats) >= 10
+    for messages in chats:
+        text = oracle_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert chat.render(messages) == text
+        ids = oracle_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+        assert encoder.prompt({"prompt": messages}) == ids["input_ids"]
+    assert chat.render(MESSAGES[0]).startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+
+
 def test_config_matches_flavor_and_transformers(hf_dir, oracle_model):
     from torchtitan.protocols.train_spec import get_train_spec
 

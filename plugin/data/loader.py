@@ -16,6 +16,7 @@ from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.logging import logger
 
 from plugin.data.batch import BatchPlan, Collate, GroupStream
+from plugin.data.chat import ChatTemplate
 from plugin.data.online import build_online_dataset
 from plugin.data.rollouts import Encoder, RolloutError, RolloutIndex, index_rollouts
 from plugin.job import GRPOJob
@@ -74,7 +75,9 @@ def build_rollout_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_co
         vocab_size = get_train_spec(job_config.model.name).model_args[job_config.model.flavor].vocab_size
     except (KeyError, ValueError, AttributeError):
         vocab_size = tokenizer.get_vocab_size()
-    encoder = Encoder(tokenizer, vocab_size, training.seq_len, cfg.chat_template)
+    # message-list prompts use the tokenizer's own chat template, from the folder torchtitan's tokenizer is read from
+    chat = ChatTemplate.from_folder(job_config.model.hf_assets_path)
+    encoder = Encoder(tokenizer, vocab_size, training.seq_len, cfg.chat_template, chat)
     pad_id = tokenizer.eos_id if tokenizer.eos_id is not None else 0
 
     def batching(group_size: int, available: int, what: str, sampled: bool = False) -> tuple[BatchPlan, Collate]:

@@ -48,7 +48,7 @@ PROMPT_FIELDS = ("prompt", "prompt_ids")
 @dataclass
 class Prompt:
     ids: list[int]  # with the chat template and BOS, as the model reads it
-    text: str  # as given (decoded when the row gives ids): what reward functions get as a prompt
+    text: str | list[dict]  # as given, text or messages (decoded when the row gives ids): reward functions' prompt
     columns: dict[str, Any]  # every other column of the row
     where: str  # file:line (JSONL) or file: row n (Parquet)
 
@@ -83,6 +83,12 @@ def load_prompts(path: str, encoder, tokenizer, *, fmt: str, max_new_tokens: int
         raise RolloutError(f"{path}: no valid prompt rows" + (f"; first problems:\n  " + "\n  ".join(problems)
                                                                 if problems else ""))
     return prompts, skipped
+
+
+def reward_completions(prompts: list[Prompt], texts: list[str]) -> list:
+    """What reward functions get as completions, as in TRL: the text, or after a conversational prompt
+    (a message list) the assistant's reply as a one-message list."""
+    return [[{"role": "assistant", "content": t}] if isinstance(p.text, list) else t for p, t in zip(prompts, texts)]
 
 
 def sample_key(seed: int, batch: int, position: int, member: int) -> int:
@@ -160,8 +166,8 @@ class OnlineDataset(IterableDataset, Stateful):
 
         texts = [self.tokenizer.decode(c[:-1] if c and c[-1] in self.stop_ids else c) for c in samples.completions]
         columns = {k: [p.columns.get(k) for p in mine] for k in dict.fromkeys(k for p in mine for k in p.columns)}
-        totals, per_fn = score(self.reward_fns, [p.text for p in mine], texts, samples.completions, columns,
-                               [p.where for p in mine])
+        totals, per_fn = score(self.reward_fns, [p.text for p in mine], reward_completions(mine, texts),
+                               samples.completions, columns, [p.where for p in mine])
         lengths = [len(c) for c in samples.completions]
 
         # advantages (batch_std) and loss weights need every DP rank's rewards and lengths
