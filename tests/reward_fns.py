@@ -41,3 +41,8 @@ def chat_reply_length(prompts, completions, completion_ids, **columns):
         assert isinstance(p, list) and p[-1]["role"] == "user", p
         assert isinstance(c, list) and len(c) == 1 and c[0]["role"] == "assistant", c
     return [float(len(c[0]["content"])) for c in completions]
+
+
+def unit_on_even_target(prompts, completions, completion_ids, **columns):
+    """1 for rows with an even `target`, 0.5 otherwise: a 0-to-1 reward with full marks on some rows."""
+    return [1.0 if t % 2 == 0 else 0.5 for t in columns["target"]]

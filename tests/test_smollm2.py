@@ -278,8 +278,13 @@ def test_online_run_on_chat_prompts_agrees_with_its_sampler_and_exports_for_tran
     rows = [{"prompt": [{"role": "user", "content": q}]} for q in questions]
     rows[1]["prompt"].insert(0, {"role": "system", "content": "Reply with only the number."})
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    heldout = dump / "heldout.jsonl"
+    held = [[{"role": "user", "content": f"What is {a} + {b}?"}] for a, b in ((4, 9), (21, 13), (30, 6))]
+    heldout.write_text("".join(json.dumps({"prompt": m}) + "\n" for m in held))
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")]))}
     check(torchrun(1, CONFIG, "--job.dump_folder", str(dump), "--model.hf_assets_path", str(hf_dir),
+                   "--validation.enable", "--validation.dataset_path", str(heldout), "--validation.local_batch_size", "2",
+                   "--validation.freq", "1000", "--online.eval_log_completions",
                    "--checkpoint.initial_load_path", str(hf_dir), "--checkpoint.no-load-only",
                    "--checkpoint.last_save_in_hf", "--checkpoint.interval", "1000",
                    "--training.dataset_path", str(prompts), "--training.seq_len", "48", "--training.local_batch_size", "4",
@@ -290,6 +295,12 @@ def test_online_run_on_chat_prompts_agrees_with_its_sampler_and_exports_for_tran
     print("online/logprob_mismatch per step:", tb["online/logprob_mismatch"])
     assert max(tb["online/logprob_mismatch"]) < 1e-4  # fp32 rounding; a wrong position or mask gives whole nats
     assert min(tb["online/reward/chat_reply_length_mean"]) > 0
+    # greedy evaluations after step 1 (torchtitan's first validation) and the last step
+    assert len(tb["eval/reward_mean"]) == len(tb["eval/full_reward_share"]) == 2
+    evaluated = [json.loads(l) for l in (dump / "eval" / "step-000002-dp0.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in evaluated] == held
+    assert tb["eval/reward/chat_reply_length_mean"][1] == pytest.approx(
+        sum(len(r["completion"]) for r in evaluated) / 3)
 
     export = dump / "checkpoint" / "step-2"
     assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= {f.name for f in export.iterdir()}
@@ -305,6 +316,13 @@ def test_online_run_on_chat_prompts_agrees_with_its_sampler_and_exports_for_tran
     reply = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
     print(f"exported model's greedy reply: {reply!r}; logits moved by {(trained - before).abs().max():.2e}")
     assert out.shape[1] > ids.shape[1] and reply.strip()
+    # the last evaluation's greedy completions are transformers' greedy ones from the exported weights
+    for messages, row in zip(held, evaluated):
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                      return_dict=True)["input_ids"]
+        with torch.no_grad():
+            greedy = model.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:].tolist()
+        assert row["completion_ids"] == greedy, (messages, row["completion"])
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # still tied
     # 2 AdamW steps at lr 1e-5 moved the weights, a little: the export holds the trained policy, not the start
     assert 0 < (trained - before).abs().max() < 5

@@ -53,11 +53,12 @@ class Prompt:
     where: str  # file:line (JSONL) or file: row n (Parquet)
 
 
-def load_prompts(path: str, encoder, tokenizer, *, fmt: str, max_new_tokens: int, on_error: str) -> tuple[list[Prompt], int]:
+def load_prompts(path: str, encoder, tokenizer, *, fmt: str, max_new_tokens: int, on_error: str,
+                 key: str = "[training] dataset_path") -> tuple[list[Prompt], int]:
     """Every prompt row, checked; (prompts, rows skipped). A bad row raises naming file, line and field,
-    or with on_error = "skip" is counted, logged and left out."""
+    or with on_error = "skip" is counted, logged and left out. `key` names the file's TOML key."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"[training] dataset_path = {path!r}: no such prompt file")
+        raise FileNotFoundError(f"{key} = {path!r}: no such prompt file")
     prompts, problems, skipped = [], [], 0
     limit = max_prompt_tokens(encoder.seq_len, max_new_tokens)
     source = JsonlFile(path) if rollout_format(path, fmt) == "jsonl" else ParquetFile(path, every_column=True)
@@ -239,6 +240,19 @@ class OnlineDataset(IterableDataset, Stateful):
             record.setdefault("old_logprobs", record["rollouts"].old_logprobs)
 
 
+def resolve_stop_ids(online, tokenizer, vocab_size: int) -> list[int]:
+    """[online] stop_token_ids, checked against the vocabulary; [] = the tokenizer's EOS id."""
+    stop_ids = list(online.stop_token_ids)
+    if not stop_ids:
+        if tokenizer.eos_id is None:
+            raise ValueError("[online] stop_token_ids is empty and the tokenizer has no EOS id: give the stop ids")
+        stop_ids = [tokenizer.eos_id]
+    for i, t in enumerate(stop_ids):
+        if t >= vocab_size:
+            raise ValueError(f"[online] stop_token_ids[{i}] = {t} is outside the model's vocabulary [0, {vocab_size})")
+    return stop_ids
+
+
 def build_online_dataset(job_config, job: GRPOJob, tokenizer, encoder, batching):
     """The online dataset for [training] dataset_path's prompts; `batching` (plugin.data.loader) cuts batches as for files."""
     training, grpo, online, cfg = job_config.training, job_config.grpo, job_config.online, job_config.rollout_data
@@ -246,14 +260,7 @@ def build_online_dataset(job_config, job: GRPOJob, tokenizer, encoder, batching)
     if grpo.group_size not in (0, G):
         raise ValueError(f"[grpo] group_size = {grpo.group_size} differs from [online] num_generations = {G}; "
                          "set [grpo] group_size = 0 (or to the same value) in online mode")
-    stop_ids = list(online.stop_token_ids)
-    if not stop_ids:
-        if tokenizer.eos_id is None:
-            raise ValueError("[online] stop_token_ids is empty and the tokenizer has no EOS id: give the stop ids")
-        stop_ids = [tokenizer.eos_id]
-    for i, t in enumerate(stop_ids):
-        if t >= encoder.vocab_size:
-            raise ValueError(f"[online] stop_token_ids[{i}] = {t} is outside the model's vocabulary [0, {encoder.vocab_size})")
+    stop_ids = resolve_stop_ids(online, tokenizer, encoder.vocab_size)
     reward_fns = load_reward_fns(online.reward_funcs, online.reward_weights)
     prompts, skipped = load_prompts(training.dataset_path, encoder, tokenizer, fmt=cfg.format,
                                     max_new_tokens=online.max_new_tokens, on_error=cfg.on_error)
