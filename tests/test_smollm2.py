@@ -198,8 +198,7 @@ def test_torchtitan_logits_match_transformers(titan_model, oracle_tok, oracle_mo
             torch.testing.assert_close(model(tokens), oracle(tokens).logits, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("kv_cache", [True, False])
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("kv_cache, temperature", [(True, 1.0), (False, 0.7)])
 def test_sampler_and_trainer_logprobs_match_transformers(titan_model, oracle_tok, oracle_model, kv_cache, temperature):
     """The sampler's log-prob of each drawn token, and the trainer's (policy.logprobs), against transformers'
     log-softmax of logits / T of the same weights on the same tokens, fp32; prompts of different lengths share a batch."""
