@@ -9,6 +9,7 @@ from plugin import cpu
 # before torchtitan reads its device type (custom_import runs first in Trainer.__init__)
 cpu.activate()
 
+from plugin.data.evaluation import build_grpo_evaluator  # noqa: E402
 from plugin.data.loader import build_rollout_dataloader  # noqa: E402
 from plugin.model.llama3 import llama3_family  # noqa: E402
 from plugin.model.optimizer import build_grpo_optimizers  # noqa: E402
@@ -31,7 +32,7 @@ def grpo_train_spec(base_name: str):
         build_optimizers_fn=build_grpo_optimizers,
         build_dataloader_fn=build_rollout_dataloader,
         build_loss_fn=build_grpo_loss,
-        build_validator_fn=None,
+        build_validator_fn=build_grpo_evaluator,  # [validation] runs the GRPO evaluation
         build_metrics_processor_fn=build_grpo_metrics_processor,
     )
 

@@ -187,12 +187,24 @@ class Online:
     log_completions: bool = False
     """Write every sampled completion, its prompt and rewards to <dump_folder>/completions/step-<n>-dp<r>.jsonl."""
 
+    num_generations_eval: int = 1
+    """Completions per held-out prompt at each evaluation ([validation] enable; TRL's num_generations_eval)."""
+
+    eval_temperature: float = 0.0
+    """Sampling temperature of the evaluation's completions; 0 = greedy (the most likely token at each step)."""
+
+    eval_log_completions: bool = False
+    """Write every evaluation completion, its prompt and rewards to <dump_folder>/eval/step-<n>-dp<r>.jsonl."""
+
     def __post_init__(self):
         _check_types("online", self)
         _check("online", "num_generations", self.num_generations, self.num_generations >= 2,
                ">= 2: GRPO compares completions within a group")
         _check("online", "max_new_tokens", self.max_new_tokens, self.max_new_tokens >= 1, ">= 1")
         _check("online", "num_iterations", self.num_iterations, self.num_iterations >= 1, ">= 1")
+        _check("online", "num_generations_eval", self.num_generations_eval, self.num_generations_eval >= 1, ">= 1")
+        _check("online", "eval_temperature", self.eval_temperature,
+               self.eval_temperature >= 0 and math.isfinite(self.eval_temperature), "a finite number >= 0 (0 = greedy)")
         for i, t in enumerate(self.stop_token_ids):
             _check("online", f"stop_token_ids[{i}]", t, t >= 0, "a token id >= 0")
         for i, f in enumerate(self.reward_funcs):
@@ -308,5 +320,22 @@ def validate_job(job_config) -> None:
             "so a chunk's memory grows with the batch size; it overrides logprob_chunk_tokens and logprob_chunk_mib, "
             "which count tokens of the whole batch (set logprob_chunk_size = 0 to use them)"
         )
+    check_evaluation(job_config)
     check_resume_checkpoint(job_config)
     check_restart_launch()
+
+
+def check_evaluation(job_config) -> None:
+    """torchtitan's [validation] runs the GRPO evaluation (plugin.data.evaluation): a prompt file and reward functions."""
+    v, online = job_config.validation, job_config.online
+    if not v.enable:
+        return
+    if not v.dataset_path:
+        raise ValueError("[validation] enable = true evaluates on a held-out prompt file: set [validation] dataset_path "
+                         "(JSONL or Parquet, the same rows as an online prompt file)")
+    if not online.reward_funcs:
+        raise ValueError("[validation] enable = true scores the evaluation's completions with [online] reward_funcs: "
+                         'set them, e.g. ["plugin.example:arith_reward"]')
+    if online.eval_temperature == 0 and online.num_generations_eval > 1:
+        raise ValueError(f"[online] num_generations_eval = {online.num_generations_eval} with [online] "
+                         "eval_temperature = 0 (greedy) draws identical completions: set it to 1, or set a temperature")

@@ -95,6 +95,13 @@ def test_choices_are_listed_in_help(capsys):
         (["--parallelism.tensor_parallel_degree", "2", "--compile.enable", "--activation_checkpoint.mode", "full"],
          r"set \[activation_checkpoint\] mode = \"none\""),
         (["--parallelism.context_parallel_degree", "2"], r"context_parallel_degree = 2: context parallelism is not supported"),
+        (["--validation.enable", "--online.reward_funcs", "m:f"], r"\[validation\] enable = true evaluates on a "
+         r"held-out prompt file: set \[validation\] dataset_path"),
+        (["--validation.enable", "--validation.dataset_path", "p.jsonl"],
+         r"\[validation\] enable = true scores .* with \[online\] reward_funcs"),
+        (["--validation.enable", "--validation.dataset_path", "p.jsonl", "--online.reward_funcs", "m:f",
+          "--online.num_generations_eval", "4"],
+         r"\[online\] num_generations_eval = 4 with \[online\] eval_temperature = 0 \(greedy\) draws identical"),
         (["--checkpoint.enable", "--checkpoint.initial_load_path", "outputs/no_such_run/step-60", "--job.dump_folder",
           "/nonexistent_dump"], r"\[checkpoint\] initial_load_path = 'outputs/no_such_run/step-60' is not a folder"),
     ],
@@ -130,7 +137,8 @@ OUT_OF_RANGE = {
                             offload=""),
     "rollout_data": dict(format="", on_error="", chat_template="{other}"),
     "online": dict(enable="", num_generations=1, max_new_tokens=0, stop_token_ids=[-1], reward_funcs=["no_colon"],
-                   reward_weights=[float("nan")], num_iterations=0, kv_cache="", log_completions=""),
+                   reward_weights=[float("nan")], num_iterations=0, kv_cache="", log_completions="",
+                   num_generations_eval=0, eval_temperature=-1.0, eval_log_completions=""),
 }
 SECTIONS = {"grpo": grpo_config.GRPO, "reference_model": grpo_config.ReferenceModel,
             "rollout_data": grpo_config.RolloutData, "online": grpo_config.Online}

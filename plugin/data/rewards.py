@@ -6,7 +6,8 @@ A function is called once per sampled batch:
 
 `prompts` and `completions` are text (a completion without its stop token), `completion_ids`
 the sampled ids (with it), and every other column of the prompt rows arrives as a keyword list
-of the same length. As in TRL, a function may return None for a completion it does not apply
+of the same length. As in TRL, a conversational prompt (a list of {"role", "content"} messages)
+arrives as that list and its completion as `[{"role": "assistant", "content": text}]`. As in TRL, a function may return None for a completion it does not apply
 to; the reward is the weighted sum over the functions that apply.
 """
 

@@ -124,8 +124,11 @@ def _group_key(row: dict) -> int:
 class Encoder:
     """Row fields -> token ids, with the checks that need tokens: vocabulary and length."""
 
-    def __init__(self, tokenizer, vocab_size: int, seq_len: int, chat_template: str = ""):
+    def __init__(self, tokenizer, vocab_size: int, seq_len: int, chat_template: str = "", chat=None):
+        """`chat_template`: the format string text prompts go into; `chat`: the tokenizer's ChatTemplate
+        (plugin.data.chat), which renders message-list prompts."""
         self.tokenizer, self.vocab_size, self.seq_len, self.chat_template = tokenizer, vocab_size, seq_len, chat_template
+        self.chat = chat
         self.bos_id, self.eos_id = getattr(tokenizer, "bos_id", None), getattr(tokenizer, "eos_id", None)
         self._last_prompt: tuple[str | None, list[int]] = (None, [])
 
@@ -153,16 +156,23 @@ class Encoder:
                        f"outside the model's vocabulary [0, {self.vocab_size})")
 
     def prompt(self, row: dict) -> list[int]:
-        """Prompt ids: `prompt_ids` as given; `prompt` through the chat template, with BOS in front."""
+        """Prompt ids: `prompt_ids` as given; a text `prompt` through the format-string template, with BOS in
+        front; a message-list `prompt` through the tokenizer's chat template, as transformers tokenizes it."""
         value, name, is_ids = _one_of(row, "prompt", "prompt_ids")
         if is_ids:
             return self._ids(value, name)
-        value = _field(value, name, (str,), "str")
         if value == self._last_prompt[0]:  # the rows of a group repeat their prompt
             return self._last_prompt[1]
-        ids = self._text_ids(self.chat_template.format(prompt=value) if self.chat_template else value)
-        if self.bos_id is not None and ids[:1] != [self.bos_id]:
-            ids = [self.bos_id] + ids
+        if isinstance(value, list):
+            if self.chat is None:
+                raise BadRow(f"field '{name}' is a list of messages, and this run has no chat template to render it")
+            # no BOS added: a template that wants one writes {{ bos_token }} (transformers adds no specials either)
+            ids = self._text_ids(self.chat.render(value, name))
+        else:
+            value = _field(value, name, (str,), "str or a list of messages")
+            ids = self._text_ids(self.chat_template.format(prompt=value) if self.chat_template else value)
+            if self.bos_id is not None and ids[:1] != [self.bos_id]:
+                ids = [self.bos_id] + ids
         self._check_vocab(ids, "prompt")
         self._last_prompt = (value, ids)
         return ids

@@ -4,6 +4,7 @@ import torch
 from torchtitan.components.metrics import MetricsProcessor
 
 from plugin.job import GRPOJob
+from plugin.runtime.export import complete_hf_export
 from plugin.runtime.stats import GIB, GRPOStats, OnlineStats
 
 
@@ -47,6 +48,11 @@ class GRPOMetricsProcessor(MetricsProcessor):
         if self.online is not None:
             extra.update(self.online.take())
         super().log(step, global_avg_loss, global_max_loss, grad_norm, {**(extra_metrics or {}), **extra})
+
+    def close(self):
+        # Trainer.close closes the checkpointer first: a last_save_in_hf export is complete on disk here
+        complete_hf_export(self.job_config)
+        super().close()
 
 
 def build_grpo_metrics_processor(job_config, parallel_dims, model_args=None, tag=None):
