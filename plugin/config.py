@@ -187,6 +187,9 @@ class Online:
     log_completions: bool = False
     """Write every sampled completion, its prompt and rewards to <dump_folder>/completions/step-<n>-dp<r>.jsonl."""
 
+    mask_truncated_completions: bool = False
+    """Leave completions cut at max_new_tokens (no stop id) out of the loss; they still count in their group's advantages (TRL's name)."""
+
     def __post_init__(self):
         _check_types("online", self)
         _check("online", "num_generations", self.num_generations, self.num_generations >= 2,

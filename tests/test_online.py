@@ -115,6 +115,15 @@ class CountingSampler:
         return Samples(comps, [[-0.5] * len(c) for c in comps], [False] * len(comps))
 
 
+class TruncatingSampler(CountingSampler):
+    """CountingSampler, but a key with key % 3 == 2 reaches max_new_tokens = 4 without EOS (truncated)."""
+
+    def generate(self, prompts, keys):
+        self.calls += 1
+        comps = [[k % 7 + 10] * 4 if k % 3 == 2 else [k % 7 + 10] * (k % 3 + 1) + [self.eos] for k in keys]
+        return Samples(comps, [[-0.5] * len(c) for c in comps], [k % 3 == 2 for k in keys])
+
+
 class Policy(torch.nn.Module):
     """Stands in for the policy: the log-probs it scores (the replays' old log-probs) are -0.01 * each input id."""
 
@@ -127,16 +136,18 @@ class Policy(torch.nn.Module):
         return tokens.float() * -0.01
 
 
-def _online_dataset(tmp_path, tokenizer, *, mu=1, grad_accum=2, n_prompts=6, seed=0):
+def _online_dataset(tmp_path, tokenizer, *, mu=1, grad_accum=2, n_prompts=6, seed=0, G=2, sampler=CountingSampler,
+                    grpo=None, **online):
     rows = [{"prompt_ids": [1, 100 + i], "target": i} for i in range(n_prompts)]
     path = write(tmp_path / "prompts.jsonl", rows)
     prompts, _ = load_prompts(path, encoder(tokenizer), tokenizer, fmt="auto", max_new_tokens=4, on_error="raise")
-    cfg = Online(enable=True, num_generations=2, max_new_tokens=4, reward_funcs=["reward_fns:length"], num_iterations=mu)
-    plan = BatchPlan(group_size=2, groups_per_microbatch=1, grad_accum=grad_accum, dp_rank=0, dp_world_size=1)
+    cfg = Online(**{**dict(enable=True, num_generations=G, max_new_tokens=4, reward_funcs=["reward_fns:length"],
+                           num_iterations=mu), **online})
+    plan = BatchPlan(group_size=G, groups_per_microbatch=1, grad_accum=grad_accum, dp_rank=0, dp_world_size=1)
     fns = load_reward_fns(cfg.reward_funcs, [])
-    ds = OnlineDataset(prompts, plan, Collate(16, 0, GRPO(), 2, sampled=True), seed, cfg, fns, tokenizer, 0,
-                       [tokenizer.eos_id], 1.0, str(tmp_path), SimpleNamespace(), OnlineStats(["length"]))
-    ds.policy, ds.sampler = Policy(), CountingSampler(tokenizer.eos_id)
+    ds = OnlineDataset(prompts, plan, Collate(16, 0, grpo or GRPO(), G, sampled=True), seed, cfg, fns, tokenizer, 0,
+                       [tokenizer.eos_id], 1.0, str(tmp_path), SimpleNamespace(), OnlineStats([f.name for f in fns]))
+    ds.policy, ds.sampler = Policy(), sampler(tokenizer.eos_id)
     return ds
 
 
@@ -246,3 +257,52 @@ def test_the_metrics_processor_gets_the_jobs_statistics(monkeypatch):
     job.online_stats = OnlineStats(["a"])
     build_grpo_metrics_processor(cfg, None)
     assert built == {"stats": job.stats, "online": job.online_stats} and GRPOJob.of(cfg) is job
+
+
+# --- mask_truncated_completions ---------------------------------------------------------------------
+
+def trl_aggregate(per_token_loss, completion_mask, loss_type, max_completion_length):
+    """TRL GRPOTrainer._compute_loss's aggregation (trl/trainer/grpo_trainer.py), on the whole batch at once:
+    with mask_truncated_completions TRL zeroes a truncated completion's row of completion_mask."""
+    m = completion_mask.double()
+    if loss_type == "grpo":
+        return ((per_token_loss * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
+    if loss_type == "bnpo":
+        return (per_token_loss * m).sum() / m.sum().clamp(min=1.0)
+    if loss_type == "dr_grpo":
+        return (per_token_loss * m).sum() / (per_token_loss.size(0) * max_completion_length)
+    raise ValueError(loss_type)
+
+
+@pytest.mark.parametrize("mode, loss_type", [("token_mean", "bnpo"), ("seq_mean_token_mean", "grpo"),
+                                             ("fixed_horizon", "dr_grpo")])
+def test_truncated_completions_leave_the_loss_but_count_in_advantages(tmp_path, tokenizer, mode, loss_type):
+    horizon = 4  # Dr. GRPO's max completion length: [online] max_new_tokens
+    ds = _online_dataset(tmp_path, tokenizer, G=4, n_prompts=4, sampler=TruncatingSampler,
+                         grpo=GRPO(loss_aggregation=mode, horizon=horizon), mask_truncated_completions=True)
+    it = iter(ds)
+    batch = [next(it) for _ in range(2)]
+    labels = torch.cat([lab for _, lab in batch])
+    r = [inputs["rollouts"] for inputs, _ in batch]
+    rewards, adv, w = (torch.cat([getattr(x, k) for x in r]) for k in ("rewards", "advantages", "loss_weights"))
+    keys = [sample_key(0, 0, i, m) for i in range(2) for m in range(4)]
+    truncated = torch.tensor([k % 3 == 2 for k in keys])
+    assert 0 < truncated.sum() < len(keys)  # the batch holds both kinds
+    # a truncated completion is sampled and rewarded (length 4), but has no loss token
+    assert rewards[truncated].eq(4).all()
+    assert (labels[truncated] == IGNORE_INDEX).all() and (labels[~truncated] != IGNORE_INDEX).any(dim=1).all()
+    # advantages from every completion's reward, as TRL computes them before masking
+    g = rewards.double().view(-1, 4)
+    assert torch.allclose(adv.double(), ((g - g.mean(1, keepdim=True)) / (g.std(1, keepdim=True) + 1e-4)).flatten(),
+                          atol=1e-6)
+    # what torchtitan computes with the weights, sum(w * L * m) / sum(m), is TRL's aggregation with the masked rows
+    mask = labels != IGNORE_INDEX
+    L = torch.randn(labels.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    ours = (w.double()[:, None] * L * mask).sum() / mask.sum()
+    torch.testing.assert_close(ours, trl_aggregate(L, mask, loss_type, horizon), rtol=1e-6, atol=1e-9)
+
+
+def test_truncated_completions_stay_in_the_loss_by_default(tmp_path, tokenizer):
+    ds = _online_dataset(tmp_path, tokenizer, G=4, n_prompts=4, sampler=TruncatingSampler)
+    labels = torch.cat([next(iter(ds))[1]])
+    assert (labels != IGNORE_INDEX).any(dim=1).all()

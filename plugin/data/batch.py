@@ -67,17 +67,23 @@ def advantages(rewards: torch.Tensor, group_size: int, norm: str, eps: float) ->
     return centered.flatten().float()
 
 
-def loss_weights(completion_lens: torch.Tensor, aggregation: str, horizon: int) -> torch.Tensor:
+def loss_weights(completion_lens: torch.Tensor, aggregation: str, horizon: int,
+                 keep: torch.Tensor | None = None) -> torch.Tensor:
     """Per-completion weights w such that sum(w * token losses) / (global completion tokens) aggregates as asked.
 
     torchtitan divides every loss by the global number of valid tokens; the weights turn that
-    token mean into the other modes. `completion_lens` covers the whole global batch.
+    token mean into the other modes. `completion_lens` covers the whole global batch. A completion
+    that `keep` [N] bool leaves out of the loss (mask_truncated_completions) has no tokens, as with
+    TRL's zeroed completion mask, but still counts among the N completions the seq modes average over.
     """
-    n, tokens = completion_lens.numel(), completion_lens.sum().double()
+    lens = completion_lens.double()
+    if keep is not None:
+        lens = torch.where(keep, lens, 0.0)
+    n, tokens = lens.numel(), lens.sum()
     if aggregation == "token_mean":
         w = torch.ones(n, dtype=torch.float64)
     elif aggregation == "seq_mean_token_mean":  # mean over completions of each one's token mean
-        w = tokens / (n * completion_lens.double())
+        w = torch.where(lens > 0, tokens / (n * lens.clamp(min=1)), 0.0)
     elif aggregation == "seq_mean_token_sum":  # mean over completions of each one's token sum
         w = torch.full((n,), (tokens / n).item(), dtype=torch.float64)
     else:  # fixed_horizon (Dr. GRPO): token sum / (completions * horizon)
@@ -153,12 +159,15 @@ class Collate:
         # online mode: a completion's log-probs are the sampler's, a metric; in a file, the behaviour policy's
         self.sampled = sampled
 
-    def __call__(self, rewards: torch.Tensor, completion_lens: torch.Tensor, rows: list[int], batch: list[Completion]):
+    def __call__(self, rewards: torch.Tensor, completion_lens: torch.Tensor, rows: list[int], batch: list[Completion],
+                 keep: torch.Tensor | None = None):
         """`rewards`, `completion_lens`: [N], every completion of the step, group-major;
-        `rows`: this microbatch's positions among them; `batch`: those completions."""
+        `rows`: this microbatch's positions among them; `batch`: those completions; `keep`: [N] bool,
+        False for a completion left out of the loss (its labels are all IGNORE_INDEX), None: all kept."""
         cfg = self.cfg
+        # every completion, kept or not, counts in its group's mean and std (TRL's convention)
         adv = advantages(rewards, self.group_size, cfg.advantage_norm, cfg.advantage_eps)
-        weights = loss_weights(completion_lens, cfg.loss_aggregation, cfg.horizon or self.seq_len)
+        weights = loss_weights(completion_lens, cfg.loss_aggregation, cfg.horizon or self.seq_len, keep)
         n = len(batch)
         inputs = torch.full((n, self.seq_len), self.pad_id, dtype=torch.long)
         labels = torch.full((n, self.seq_len), IGNORE_INDEX, dtype=torch.long)
@@ -171,7 +180,8 @@ class Collate:
             seq = torch.tensor(c.tokens, dtype=torch.long)
             inputs[i, : len(seq) - 1] = seq[:-1]
             # position t predicts token t+1: completion targets start at prompt_len - 1
-            labels[i, c.prompt_len - 1 : len(seq) - 1] = seq[c.prompt_len :]
+            if keep is None or keep[rows[i]]:
+                labels[i, c.prompt_len - 1 : len(seq) - 1] = seq[c.prompt_len :]
             if c.logprobs:
                 old_logprobs[i, c.prompt_len - 1 : len(seq) - 1] = torch.tensor(c.logprobs)
             if ref_logprobs is not None:

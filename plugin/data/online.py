@@ -183,13 +183,18 @@ class OnlineDataset(IterableDataset, Stateful):
             self._log(index, mine, texts, samples, totals, per_fn)
 
         rewards_t, lens_t = torch.tensor(rewards, dtype=torch.float32), torch.tensor(lens, dtype=torch.long)
+        keep = ~torch.tensor(truncated, dtype=torch.bool) if self.cfg.mask_truncated_completions else None
+        if keep is not None and not keep.any():
+            logger.warning(f"Online batch {index}: every completion reached [online] max_new_tokens = "
+                           f"{self.cfg.max_new_tokens} and mask_truncated_completions leaves none in the loss: the "
+                           "step has no tokens to divide by, and [grpo] on_nonfinite decides (skip drops the update)")
         batch = []
         for j in range(plan.grad_accum):
             rows = plan.rows(j)
             # `mine` is in batch order (`positions`), so microbatch j's completions are its j-th run of len(rows)
             completions = [Completion(mine[s].ids + samples.completions[s], len(mine[s].ids), rewards[row],
                                       samples.logprobs[s]) for s, row in enumerate(rows, start=j * len(rows))]
-            inputs, labels = self.collate(rewards_t, lens_t, rows, completions)
+            inputs, labels = self.collate(rewards_t, lens_t, rows, completions, keep)
             batch.append(dict(input=inputs["input"], labels=labels, rollouts=inputs["rollouts"]))
         if self.cfg.num_iterations > 1:
             # the replays' old log-probs: the policy's before any update from this batch
