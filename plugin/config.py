@@ -29,6 +29,9 @@ class GRPO:
     behavior_ratio_cap: float = 0.0
     """With behaviour log-probs in the rollouts, the importance ratio is truncated at this value; 0 = no cap."""
 
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """token: each token's ratio; sequence (GSPO, TRL's name): exp(mean token log-ratio of the completion) for all its tokens, clipped as one."""
+
     entropy_coef: float = 0.0
     """Entropy bonus: entropy_coef * per-token entropy is subtracted from the loss."""
 
@@ -92,6 +95,10 @@ class GRPO:
         _check("grpo", "dual_clip", self.dual_clip, self.dual_clip == 0 or self.dual_clip > 1, "0 (off) or > 1")
         _check("grpo", "behavior_ratio_cap", self.behavior_ratio_cap,
                self.behavior_ratio_cap == 0 or self.behavior_ratio_cap >= 1, "0 (off) or >= 1")
+        if self.importance_sampling_level == "sequence" and self.use_bias_correction_kl:
+            # TRL weights every token's KL by the sequence ratio there, a gradient the chunked passes cannot separate
+            raise ValueError('[grpo] use_bias_correction_kl = true is not supported with [grpo] importance_sampling_level '
+                             '= "sequence" yet: set one of them back to its default')
         _check("grpo", "entropy_coef", self.entropy_coef, self.entropy_coef >= 0, ">= 0")
         _check("grpo", "kl_log_ratio_clamp", self.kl_log_ratio_clamp, self.kl_log_ratio_clamp >= 0, ">= 0 (0 = no clamp)")
         _check("grpo", "kl_max", self.kl_max, self.kl_max >= 0, ">= 0 (0 = no cap)")
