@@ -1,6 +1,9 @@
 """Reward functions for tests/test_online.py, named as "reward_fns:<name>" (tests/ is on sys.path)."""
 
+import asyncio
+import json
 import math
+import os
 
 
 def length(prompts, completions, completion_ids, **columns):
@@ -33,3 +36,41 @@ def none_on_seven(prompts, completions, completion_ids, **columns):
 def even_ids(prompts, completions, completion_ids, **columns):
     """A graded reward that even a random policy's samples spread: the share of even token ids."""
     return [sum(t % 2 == 0 for t in ids) / len(ids) for ids in completion_ids]
+
+
+def logged_length(prompts, completions, completion_ids, **columns):
+    """`length`, appending each completion it scores to the file $REWARD_CALLS: a reward with a side effect."""
+    with open(os.environ["REWARD_CALLS"], "a") as f:
+        f.writelines(json.dumps(ids) + "\n" for ids in completion_ids)
+    return length(prompts, completions, completion_ids)
+
+
+def raises_on_rank_1(prompts, completions, completion_ids, **columns):
+    if os.environ.get("RANK") == "1":
+        raise RuntimeError("sandbox unreachable")
+    return [0.0] * len(prompts)
+
+
+_started: list[str] = []
+
+
+async def async_first(prompts, completions, completion_ids, **columns):
+    """Returns only once async_second has started: it must be awaited together with it, not before it."""
+    _started.clear()
+    _started.append("first")
+    for _ in range(200):
+        if "second" in _started:
+            return [1.0] * len(prompts)
+        await asyncio.sleep(0.005)
+    raise TimeoutError("async_second did not start while async_first waited")
+
+
+async def async_second(prompts, completions, completion_ids, **columns):
+    _started.append("second")
+    await asyncio.sleep(0)
+    return [2.0 * len(ids) for ids in completion_ids]
+
+
+async def async_raises_on_seven(prompts, completions, completion_ids, **columns):
+    await asyncio.sleep(0)
+    return raises_on_seven(prompts, completions, completion_ids)

@@ -1,6 +1,9 @@
 """Online mode's pieces without a model: prompt files, reward functions, and the dataset's batches, replays and resume."""
 
+import json
 import math
+import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -306,3 +309,55 @@ def test_truncated_completions_stay_in_the_loss_by_default(tmp_path, tokenizer):
     ds = _online_dataset(tmp_path, tokenizer, G=4, n_prompts=4, sampler=TruncatingSampler)
     labels = torch.cat([next(iter(ds))[1]])
     assert (labels != IGNORE_INDEX).any(dim=1).all()
+
+
+# --- rewards run once: async functions together, TP ranks share the work --------------------------
+
+def test_async_reward_fns_are_awaited_together():
+    totals, per_fn = _score(["reward_fns:async_first", "reward_fns:async_second", "reward_fns:length"], ["a", "b"],
+                            weights=(1.0, 0.5, 1.0))
+    assert per_fn == [[1.0, 1.0], [2.0, 4.0], [1.0, 2.0]]
+    assert totals == [1 + 1 + 1, 1 + 2 + 2]
+
+
+def test_async_reward_fn_that_raises_names_the_prompt_row():
+    with pytest.raises(RewardError, match=r"reward_funcs\[0\] = 'reward_fns:async_raises_on_seven' raised on the "
+                                          r"prompt at p.jsonl:3: ZeroDivisionError: seven"):
+        _score(["reward_fns:async_raises_on_seven"], ["a", "b", "7", "d"])
+
+
+def _tp_rewards(rank, world_size, tmp):
+    import torch.distributed as dist
+
+    tmp = Path(tmp)
+    os.environ["REWARD_CALLS"] = str(tmp / f"calls-{rank}.jsonl")
+    tok = HuggingFaceTokenizer(str(REPO / "plugin/assets/tokenizer"))
+    folder = tmp / f"rank{rank}"
+    folder.mkdir()
+    ds = _online_dataset(folder, tok, G=3, reward_funcs=["reward_fns:logged_length"])
+    ds.tp_group = dist.group.WORLD  # the two ranks are one DP rank's TP peers: they sample the same completions
+    it = iter(ds)
+    batch = [next(it)[0]["rollouts"] for _ in range(2)]
+    torch.save([(r.rewards, r.advantages) for r in batch], tmp / f"batch-{rank}.pt")
+    ds.reward_fns = load_reward_fns(["reward_fns:raises_on_rank_1"], [])
+    with pytest.raises(RewardError) as failure:  # rank 1's failure stops rank 0 too, which would wait for it
+        ds._score(["p"] * 4, ["c"] * 4, [[1]] * 4, {}, ["p.jsonl:1"] * 4)
+    assert "sandbox unreachable" in str(failure.value)
+
+
+def test_tp_peers_run_each_reward_once_and_share_it(tmp_path, tokenizer):
+    from conftest import run_ranks
+
+    run_ranks(2, _tp_rewards, str(tmp_path))
+    calls = [json.loads(line) for rank in (0, 1) for line in (tmp_path / f"calls-{rank}.jsonl").read_text().splitlines()]
+    assert len(calls) == 2 * 3  # one batch: 2 groups of 3, each completion scored once in the job
+    assert all((tmp_path / f"calls-{rank}.jsonl").read_text() for rank in (0, 1))  # and the work is shared
+    one, two = (torch.load(tmp_path / f"batch-{rank}.pt") for rank in (0, 1))
+    os.environ["REWARD_CALLS"] = str(tmp_path / "calls-single.jsonl")
+    single = _online_dataset(tmp_path, tokenizer, G=3, reward_funcs=["reward_fns:logged_length"])
+    it = iter(single)
+    want = [(r.rewards, r.advantages) for r in (next(it)[0]["rollouts"] for _ in range(2))]
+    for got in (one, two):
+        for (rewards, adv), (want_rewards, want_adv) in zip(got, want):
+            assert torch.equal(rewards, want_rewards) and torch.equal(adv, want_adv)
+    assert sorted(calls) == sorted(map(json.loads, (tmp_path / "calls-single.jsonl").read_text().splitlines()))

@@ -36,7 +36,7 @@ from torch.utils.data import IterableDataset
 from torchtitan.tools.logging import logger
 
 from plugin.data.batch import GroupStream, Rollouts
-from plugin.data.rewards import load_reward_fns, score
+from plugin.data.rewards import RewardError, load_reward_fns, score
 from plugin.data.rollouts import BadRow, Completion, JsonlFile, ParquetFile, RolloutError, report, rollout_format
 from plugin.generation.sampler import build_sampler, max_prompt_tokens
 from plugin.job import GRPOJob
@@ -107,7 +107,7 @@ class OnlineDataset(IterableDataset, Stateful):
         # position: the next (batch, iteration, microbatch) to yield; mid-batch, its microbatches
         self.batch_index, self.iteration, self.microbatch = 0, 0, 0
         self.batch: list[dict] | None = None
-        self.policy, self.sampler, self.dp_group, self.writes_log = None, None, None, True
+        self.policy, self.sampler, self.dp_group, self.tp_group, self.writes_log = None, None, None, None, True
 
     def _start(self) -> None:
         """The parallelized policy (built after this dataset) to sample from, its sampler and the DP group."""
@@ -119,6 +119,8 @@ class OnlineDataset(IterableDataset, Stateful):
             self.dp_group = parallel_dims.get_optional_mesh("batch").get_group()
         tp = parallel_dims.tp if parallel_dims.tp_enabled else 1
         self.writes_log = tp == 1 or parallel_dims.get_optional_mesh("tp").get_local_rank() == 0  # TP peers agree
+        if tp > 1:  # TP peers sample the same completions: each scores a share of them
+            self.tp_group = parallel_dims.get_optional_mesh("tp").get_group()
         self.sampler = build_sampler(self.policy, kv_cache=self.cfg.kv_cache, max_new_tokens=self.cfg.max_new_tokens,
                                      stop_ids=self.stop_ids, temperature=self.temperature, pad_id=self.pad_id)
 
@@ -160,8 +162,8 @@ class OnlineDataset(IterableDataset, Stateful):
 
         texts = [self.tokenizer.decode(c[:-1] if c and c[-1] in self.stop_ids else c) for c in samples.completions]
         columns = {k: [p.columns.get(k) for p in mine] for k in dict.fromkeys(k for p in mine for k in p.columns)}
-        totals, per_fn = score(self.reward_fns, [p.text for p in mine], texts, samples.completions, columns,
-                               [p.where for p in mine])
+        totals, per_fn = self._score([p.text for p in mine], texts, samples.completions, columns,
+                                     [p.where for p in mine])
         lengths = [len(c) for c in samples.completions]
 
         # advantages (batch_std) and loss weights need every DP rank's rewards and lengths
@@ -203,6 +205,35 @@ class OnlineDataset(IterableDataset, Stateful):
                 record["old_logprobs"] = self.policy.logprobs(record["input"].to(device),
                                                               record["labels"].to(device)).cpu()
         return batch
+
+    def _score(self, prompts: list[str], texts: list[str], completion_ids: list[list[int]], columns: dict[str, list],
+               where: list[str]) -> tuple[list[float], list[list[float]]]:
+        """plugin.data.rewards.score, each completion's rewards run once in the job.
+
+        A reward with side effects (a sandbox, a judge, an API) must not run once per TP rank:
+        TP rank k scores the k-th contiguous share of the completions, and the shares are gathered.
+        A failure on any rank is raised on every rank, so none waits for the others.
+        """
+        if self.tp_group is None:
+            return score(self.reward_fns, prompts, texts, completion_ids, columns, where)
+        tp, rank, n = dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group), len(texts)
+        mine = slice(n * rank // tp, n * (rank + 1) // tp)
+        part, failure = None, None
+        try:
+            part = score(self.reward_fns, prompts[mine], texts[mine], completion_ids[mine],
+                         {k: v[mine] for k, v in columns.items()}, where[mine])
+        except Exception as e:
+            failure = e
+        parts = [None] * tp
+        dist.all_gather_object(parts, (part, failure and f"{type(failure).__name__}: {failure}"), group=self.tp_group)
+        if failure is not None:
+            raise failure
+        for _, peer_error in parts:
+            if peer_error is not None:
+                raise RewardError(f"on a tensor-parallel peer: {peer_error}")
+        totals = [v for p, _ in parts for v in p[0]]
+        per_fn = [[v for p, _ in parts for v in p[1][k]] for k in range(len(self.reward_fns))]
+        return totals, per_fn
 
     def _log(self, index: int, mine: list[Prompt], texts, samples, totals, per_fn) -> None:
         folder = Path(self.dump_folder) / "completions"
