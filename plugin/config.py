@@ -194,6 +194,12 @@ class Online:
     log_completions: bool = False
     """Write every sampled completion, its prompt and rewards to <dump_folder>/completions/step-<n>-dp<r>.jsonl."""
 
+    filter_groups: bool = False
+    """Dynamic sampling (DAPO, verl's algorithm.filter_groups): drop groups whose rewards are all equal, sample more prompts until the batch is full."""
+
+    max_num_gen_batches: int = 10
+    """With filter_groups, most generation rounds per batch, the first included (verl's name); then equal-reward groups fill the batch, with a warning; 0 = no limit."""
+
     mask_truncated_completions: bool = False
     """Leave completions cut at max_new_tokens (no stop id) out of the loss; they still count in their group's advantages (TRL's name)."""
 
@@ -203,6 +209,8 @@ class Online:
                ">= 2: GRPO compares completions within a group")
         _check("online", "max_new_tokens", self.max_new_tokens, self.max_new_tokens >= 1, ">= 1")
         _check("online", "num_iterations", self.num_iterations, self.num_iterations >= 1, ">= 1")
+        _check("online", "max_num_gen_batches", self.max_num_gen_batches, self.max_num_gen_batches >= 0,
+               ">= 0 (0 = no limit)")
         for i, t in enumerate(self.stop_token_ids):
             _check("online", f"stop_token_ids[{i}]", t, t >= 0, "a token id >= 0")
         for i, f in enumerate(self.reward_funcs):

@@ -74,3 +74,12 @@ async def async_second(prompts, completions, completion_ids, **columns):
 async def async_raises_on_seven(prompts, completions, completion_ids, **columns):
     await asyncio.sleep(0)
     return raises_on_seven(prompts, completions, completion_ids)
+
+
+def equal_on_even_target(prompts, completions, completion_ids, **columns):
+    """The same reward for every completion of an even `target` prompt (a group with no advantage), else the length."""
+    return [1.0 if t % 2 == 0 else float(len(ids)) for t, ids in zip(columns["target"], completion_ids)]
+
+
+def constant(prompts, completions, completion_ids, **columns):
+    return [1.0] * len(prompts)

@@ -140,16 +140,16 @@ class Policy(torch.nn.Module):
 
 
 def _online_dataset(tmp_path, tokenizer, *, mu=1, grad_accum=2, n_prompts=6, seed=0, G=2, sampler=CountingSampler,
-                    grpo=None, **online):
+                    grpo=None, dp=(0, 1), **online):
     rows = [{"prompt_ids": [1, 100 + i], "target": i} for i in range(n_prompts)]
     path = write(tmp_path / "prompts.jsonl", rows)
     prompts, _ = load_prompts(path, encoder(tokenizer), tokenizer, fmt="auto", max_new_tokens=4, on_error="raise")
     cfg = Online(**{**dict(enable=True, num_generations=G, max_new_tokens=4, reward_funcs=["reward_fns:length"],
                            num_iterations=mu), **online})
-    plan = BatchPlan(group_size=G, groups_per_microbatch=1, grad_accum=grad_accum, dp_rank=0, dp_world_size=1)
+    plan = BatchPlan(group_size=G, groups_per_microbatch=1, grad_accum=grad_accum, dp_rank=dp[0], dp_world_size=dp[1])
     fns = load_reward_fns(cfg.reward_funcs, [])
     ds = OnlineDataset(prompts, plan, Collate(16, 0, grpo or GRPO(), G, sampled=True), seed, cfg, fns, tokenizer, 0,
-                       [tokenizer.eos_id], 1.0, str(tmp_path), SimpleNamespace(), OnlineStats([f.name for f in fns]))
+                       [tokenizer.eos_id], 1.0, str(tmp_path), SimpleNamespace(), OnlineStats([f.name for f in fns], cfg.filter_groups))
     ds.policy, ds.sampler = Policy(), sampler(tokenizer.eos_id)
     return ds
 
@@ -361,3 +361,109 @@ def test_tp_peers_run_each_reward_once_and_share_it(tmp_path, tokenizer):
         for (rewards, adv), (want_rewards, want_adv) in zip(got, want):
             assert torch.equal(rewards, want_rewards) and torch.equal(adv, want_adv)
     assert sorted(calls) == sorted(map(json.loads, (tmp_path / "calls-single.jsonl").read_text().splitlines()))
+
+
+# --- dynamic sampling (filter_groups) ---------------------------------------------------------------
+
+FILTER = dict(reward_funcs=["reward_fns:equal_on_even_target"], filter_groups=True)
+
+
+def expected_batches(n_batches, *, n_prompts=6, K=2, G=2, seed=0, cap=10):
+    """Independently of the dataset: walk the prompt stream round by round, reward each group as the stand-in sampler
+    and reward_fns.equal_on_even_target would, keep the first K groups whose rewards differ.
+    Returns per batch (prompt ids kept, groups dropped, extra rounds)."""
+    from plugin.data.batch import GroupStream
+
+    stream, pos, out = GroupStream(n_prompts, K, seed), 0, []
+    for b in range(n_batches):
+        kept, dropped, rounds = [], [], 0
+        while len(kept) < K and rounds < cap:
+            for i, prompt in enumerate(stream.groups(pos, K)):
+                lengths = [sample_key(seed, b, rounds * K + i, m) % 3 + 2 for m in range(G)]
+                rewards = [1.0] * G if prompt % 2 == 0 else lengths
+                (kept if len(set(rewards)) > 1 else dropped).append(int(prompt))
+            pos, rounds = pos + K, rounds + 1
+        out.append((kept[:K], len(dropped), rounds - 1))
+    return out
+
+
+def _prompts_of(inputs):
+    return [int(x) - 100 for x in inputs["input"][::2, 1]]  # prompt ids [1, 100 + i], one group per microbatch
+
+
+def test_filter_groups_keeps_groups_whose_rewards_differ(tmp_path, tokenizer):
+    ds = _online_dataset(tmp_path, tokenizer, **FILTER)
+    it = iter(ds)
+    want = expected_batches(4)
+    assert sum(d for _, d, _ in want) > 0 and sum(r for _, _, r in want) > 0  # the walk drops and resamples
+    for b, (prompts, dropped, extra) in enumerate(want):
+        batch = [next(it)[0] for _ in range(2)]
+        assert [p for inputs in batch for p in _prompts_of(inputs)] == prompts, b
+        for inputs in batch:
+            r = inputs["rollouts"]
+            assert r.rewards[0] != r.rewards[1] and (r.advantages != 0).all()
+        figures = ds.stats.take()
+        assert figures["online/groups_dropped"] == dropped and figures["online/extra_rounds"] == extra, b
+
+
+def test_filter_groups_cap_fills_the_batch_and_says_so(tmp_path, tokenizer):
+    ds = _online_dataset(tmp_path, tokenizer, reward_funcs=["reward_fns:constant"], filter_groups=True,
+                         max_num_gen_batches=3)
+    it = iter(ds)
+    batch = [next(it)[0] for _ in range(2)]
+    assert ds.stream_pos == 3 * 2 and ds.sampler.calls == 3  # three rounds of K = 2 prompts
+    assert all((inputs["rollouts"].advantages == 0).all() for inputs in batch)  # filled with equal-reward groups
+    figures = ds.stats.take()
+    assert figures["online/extra_rounds"] == 2 and figures["online/groups_dropped"] == 6 - 2
+
+
+@pytest.mark.parametrize("stop_after", [1, 2, 3, 5])
+def test_filter_groups_resume_continues_the_same_stream(tmp_path, tokenizer, stop_after):
+    def run(ds, n):
+        it = iter(ds)
+        return [next(it)[0]["input"].clone() for _ in range(n)]
+
+    straight = run(_online_dataset(tmp_path, tokenizer, mu=2, **FILTER), 12)
+    ds = _online_dataset(tmp_path, tokenizer, mu=2, **FILTER)
+    head = run(ds, stop_after)
+    resumed = _online_dataset(tmp_path, tokenizer, mu=2, **FILTER)
+    resumed.load_state_dict(ds.state_dict())
+    tail = run(resumed, 12 - stop_after)
+    assert all(torch.equal(x, y) for x, y in zip(head + tail, straight))
+    assert ds.state_dict()["stream_pos"] > 2  # batch 0 alone took more than its K = 2 stream positions
+
+
+def _filter_layouts(rank, world_size, tmp):
+    """Batch 0 and 1 on two DP ranks, then on two TP peers: each rank's microbatches' inputs."""
+    import torch.distributed as dist
+
+    tmp = Path(tmp)
+    tok = HuggingFaceTokenizer(str(REPO / "plugin/assets/tokenizer"))
+    out = {}
+    for layout in ("dp2", "tp2"):
+        folder = tmp / f"{layout}-{rank}"
+        folder.mkdir()
+        if layout == "dp2":  # one group per rank and step: K = 2 as with one rank and 2 microbatches
+            ds = _online_dataset(folder, tok, grad_accum=1, dp=(rank, 2), **FILTER)
+            ds.dp_group = dist.group.WORLD
+        else:
+            ds = _online_dataset(folder, tok, **FILTER)
+            ds.tp_group = dist.group.WORLD
+        it = iter(ds)
+        out[layout] = [next(it)[0]["input"] for _ in range(2 if layout == "dp2" else 4)]
+    torch.save(out, tmp / f"rank{rank}.pt")
+
+
+def test_filter_groups_batches_do_not_depend_on_the_layout(tmp_path, tokenizer):
+    from conftest import run_ranks
+
+    run_ranks(2, _filter_layouts, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    ds = _online_dataset(tmp_path, tokenizer, **FILTER)
+    it = iter(ds)
+    one_rank = [next(it)[0]["input"] for _ in range(4)]  # batches 0 and 1, 2 microbatches each
+    # DP: batch b's position p is rank p's microbatch of that batch
+    dp = [ranks[p]["dp2"][b] for b in range(2) for p in range(2)]
+    assert all(torch.equal(x, y) for x, y in zip(dp, one_rank))
+    for r in (0, 1):
+        assert all(torch.equal(x, y) for x, y in zip(ranks[r]["tp2"], one_rank))

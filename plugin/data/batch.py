@@ -137,8 +137,11 @@ class GroupStream:
 
     def step_groups(self, step: int) -> np.ndarray:
         """The group ids of global batch `step`."""
-        k, n = self.groups_per_step, self.num_groups
-        start, end, out = step * k, (step + 1) * k, []
+        return self.groups(step * self.groups_per_step, self.groups_per_step)
+
+    def groups(self, start: int, count: int) -> np.ndarray:
+        """The group ids at stream positions [start, start + count) (online dynamic sampling draws past a step's)."""
+        end, n, out = start + count, self.num_groups, []
         while start < end:
             epoch, offset = divmod(start, n)
             out.append(self.epoch_order(epoch)[offset : offset + end - start])
@@ -147,8 +150,12 @@ class GroupStream:
 
     def epoch_starting(self, step: int) -> int | None:
         """The epoch that starts within global batch `step`, if one does."""
-        k, n = self.groups_per_step, self.num_groups
-        return (step * k) // n if (step * k) // n != (step * k - 1) // n else None
+        return self.epoch_starting_at(step * self.groups_per_step, self.groups_per_step)
+
+    def epoch_starting_at(self, start: int, count: int) -> int | None:
+        """The epoch that starts within stream positions [start, start + count), if one does."""
+        n = self.num_groups
+        return (start - 1) // n + 1 if (start + count - 1) // n != (start - 1) // n else None
 
 
 class Collate:

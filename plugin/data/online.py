@@ -85,6 +85,24 @@ def load_prompts(path: str, encoder, tokenizer, *, fmt: str, max_new_tokens: int
     return prompts, skipped
 
 
+@dataclass
+class SampledGroup:
+    """One prompt's G completions and their figures; the completions are absent on ranks that do not train on them."""
+
+    prompt: Prompt | None
+    rewards: list[float]  # the weighted total per completion
+    lengths: list[int]
+    truncated: list[bool]
+    fn_rewards: list[list[float]]  # per reward function, per completion; NaN where it returned None
+    completions: list[list[int]] | None = None
+    logprobs: list[list[float]] | None = None  # the sampler's
+    texts: list[str] | None = None
+
+    def figures(self) -> "SampledGroup":
+        """The group without its prompt and completions: what other DP ranks need of it without filter_groups."""
+        return SampledGroup(None, self.rewards, self.lengths, self.truncated, self.fn_rewards)
+
+
 def sample_key(seed: int, batch: int, position: int, member: int) -> int:
     """The 63-bit key of one completion's randomness: the run seed, the batch, the group's place in it, the member.
 
@@ -104,6 +122,8 @@ class OnlineDataset(IterableDataset, Stateful):
         self.reward_fns, self.tokenizer, self.pad_id, self.stop_ids = reward_fns, tokenizer, pad_id, stop_ids
         self.temperature, self.dump_folder, self.job, self.stats = temperature, dump_folder, job, stats
         self.stream = GroupStream(len(prompts), plan.groups_per_step, seed)
+        # the next batch's first stream position: K per batch, more where filter_groups sampled extra rounds
+        self.stream_pos = 0
         # position: the next (batch, iteration, microbatch) to yield; mid-batch, its microbatches
         self.batch_index, self.iteration, self.microbatch = 0, 0, 0
         self.batch: list[dict] | None = None
@@ -145,16 +165,84 @@ class OnlineDataset(IterableDataset, Stateful):
 
     @torch.no_grad()
     def sample_batch(self, index: int) -> list[dict]:
-        """Sample, reward and cut global batch `index`: this rank's microbatches."""
+        """Sample, reward and cut global batch `index`: this rank's microbatches.
+
+        With [online] filter_groups, a group whose rewards are all equal (no advantage) is dropped
+        and whole rounds of K more prompts are sampled from the stream until K groups are kept.
+        """
         if self.sampler is None:
             self._start()
-        plan, G = self.plan, self.plan.group_size
-        if (epoch := self.stream.epoch_starting(index)) is not None:
-            logger.info(f"Online prompts: epoch {epoch} starts at batch {index}")
-        prompt_ids = self.stream.step_groups(index)
+        plan, G, K, cfg = self.plan, self.plan.group_size, self.plan.groups_per_step, self.cfg
+        kept, dropped, sampled, gen_time, rounds = [], [], [], 0.0, 0
+        while len(kept) < K:
+            if cfg.filter_groups and cfg.max_num_gen_batches and rounds == cfg.max_num_gen_batches:
+                logger.warning(
+                    f"Online batch {index}: {len(kept)} of {K} groups have rewards that differ after "
+                    f"[online] max_num_gen_batches = {cfg.max_num_gen_batches} generation rounds; the batch is filled "
+                    f"with {K - len(kept)} equal-reward groups (no advantage, only the KL term trains on them). "
+                    "Easier prompts, more completions per prompt or a larger cap avoid this")
+                need = K - len(kept)
+                kept, dropped = kept + dropped[:need], dropped[need:]
+                break
+            if (epoch := self.stream.epoch_starting_at(self.stream_pos, K)) is not None:
+                logger.info(f"Online prompts: epoch {epoch} starts at batch {index}")
+            groups, seconds = self._sample_round(index, rounds, self.stream.groups(self.stream_pos, K))
+            self.stream_pos, rounds, gen_time = self.stream_pos + K, rounds + 1, gen_time + seconds
+            sampled += groups
+            if not cfg.filter_groups:
+                kept = groups
+                break
+            for g in groups:
+                (kept if len(set(g.rewards)) > 1 else dropped).append(g)
+        final = kept[:K]  # a round's surplus is left unused, as verl does
+
+        self.stats.record(gen_time, [n for g in sampled for n in g.lengths], [t for g in sampled for t in g.truncated],
+                          [[r for g in sampled for r in g.fn_rewards[k]] for k in range(len(self.reward_fns))])
+        if cfg.filter_groups:
+            self.stats.record_filter(len(dropped), rounds - 1)
+        positions = [i for j in range(plan.grad_accum) for i in plan.microbatch(j)]  # my groups, in batch order
+        if cfg.log_completions and self.writes_log:
+            self._log(index, [final[i] for i in positions])
+
+        rewards = [r for g in final for r in g.rewards]
+        rewards_t = torch.tensor(rewards, dtype=torch.float32)
+        lens_t = torch.tensor([n for g in final for n in g.lengths], dtype=torch.long)
+        keep = None
+        if cfg.mask_truncated_completions:
+            keep = ~torch.tensor([t for g in final for t in g.truncated], dtype=torch.bool)
+            if not keep.any():
+                logger.warning(f"Online batch {index}: every completion reached [online] max_new_tokens = "
+                               f"{cfg.max_new_tokens} and mask_truncated_completions leaves none in the loss: the "
+                               "step has no tokens to divide by, and [grpo] on_nonfinite decides (skip drops the update)")
+        batch = []
+        for j in range(plan.grad_accum):
+            rows = plan.rows(j)
+            completions = []
+            for row in rows:
+                g, m = final[row // G], row % G
+                completions.append(Completion(g.prompt.ids + g.completions[m], len(g.prompt.ids), rewards[row],
+                                              g.logprobs[m]))
+            inputs, labels = self.collate(rewards_t, lens_t, rows, completions, keep)
+            batch.append(dict(input=inputs["input"], labels=labels, rollouts=inputs["rollouts"]))
+        if cfg.num_iterations > 1:
+            # the replays' old log-probs: the policy's before any update from this batch
+            device = next(self.policy.parameters()).device
+            for record in batch:
+                record["old_logprobs"] = self.policy.logprobs(record["input"].to(device),
+                                                              record["labels"].to(device)).cpu()
+        return batch
+
+    def _sample_round(self, index: int, rnd: int, prompt_ids) -> tuple[list["SampledGroup"], float]:
+        """One generation round of K groups: this rank samples and scores its positions, and every rank gets every
+        group's rewards (advantages and loss weights are global), with filter_groups also their completions.
+
+        A completion's key names the batch, the round's place and the member, never the rank: 1 rank, TP and FSDP
+        draw the same completions. Returns the groups in stream order and the slowest rank's generation seconds.
+        """
+        plan, G, K = self.plan, self.plan.group_size, self.plan.groups_per_step
         positions = [i for j in range(plan.grad_accum) for i in plan.microbatch(j)]  # my groups, in batch order
         mine = [self.prompts[prompt_ids[i]] for i in positions for _ in range(G)]
-        keys = [sample_key(self.seed, index, i, m) for i in positions for m in range(G)]
+        keys = [sample_key(self.seed, index, rnd * K + i, m) for i in positions for m in range(G)]
 
         start = time.perf_counter()
         samples = self.sampler.generate([p.ids for p in mine], keys)
@@ -164,47 +252,37 @@ class OnlineDataset(IterableDataset, Stateful):
         columns = {k: [p.columns.get(k) for p in mine] for k in dict.fromkeys(k for p in mine for k in p.columns)}
         totals, per_fn = self._score([p.text for p in mine], texts, samples.completions, columns,
                                      [p.where for p in mine])
-        lengths = [len(c) for c in samples.completions]
-
-        # advantages (batch_std) and loss weights need every DP rank's rewards and lengths
-        part = (positions, gen_time, [totals, lengths, samples.truncated, *per_fn])
-        gathered = [part]
+        mine_groups = {}
+        for k, i in enumerate(positions):
+            rows = slice(k * G, (k + 1) * G)
+            mine_groups[i] = SampledGroup(
+                self.prompts[prompt_ids[i]], totals[rows], [len(c) for c in samples.completions[rows]],
+                samples.truncated[rows], [r[rows] for r in per_fn], samples.completions[rows], samples.logprobs[rows],
+                texts[rows])
+        groups = dict(mine_groups)
         if self.dp_group is not None:
+            # the rewards of every group; with filter_groups a kept group may land on another rank: everything
+            share = {i: g if self.cfg.filter_groups else g.figures() for i, g in mine_groups.items()}
             gathered = [None] * dist.get_world_size(self.dp_group)
-            dist.all_gather_object(gathered, part, group=self.dp_group)
-        n = plan.groups_per_step * G
-        # reward, length, truncated and each function's reward of every completion, in batch order
-        values = [[0.0] * n, [0] * n, [False] * n, *([0.0] * n for _ in self.reward_fns)]
-        for pos, _, rank_values in gathered:
-            for k, i in enumerate(pos):  # the rank's k-th group is the batch's i-th
-                for column, v in zip(values, rank_values):
-                    column[i * G : (i + 1) * G] = v[k * G : (k + 1) * G]
-        rewards, lens, truncated, *fn_rewards = values
-        self.stats.record(max(g[1] for g in gathered), lens, truncated, fn_rewards)
-        if self.cfg.log_completions and self.writes_log:
-            self._log(index, mine, texts, samples, totals, per_fn)
+            dist.all_gather_object(gathered, (share, gen_time), group=self.dp_group)
+            for rank_groups, _ in gathered:
+                for i, g in rank_groups.items():
+                    groups.setdefault(i, g)
+            gen_time = max(t for _, t in gathered)
+        return [groups[i] for i in range(K)], gen_time
 
-        rewards_t, lens_t = torch.tensor(rewards, dtype=torch.float32), torch.tensor(lens, dtype=torch.long)
-        keep = ~torch.tensor(truncated, dtype=torch.bool) if self.cfg.mask_truncated_completions else None
-        if keep is not None and not keep.any():
-            logger.warning(f"Online batch {index}: every completion reached [online] max_new_tokens = "
-                           f"{self.cfg.max_new_tokens} and mask_truncated_completions leaves none in the loss: the "
-                           "step has no tokens to divide by, and [grpo] on_nonfinite decides (skip drops the update)")
-        batch = []
-        for j in range(plan.grad_accum):
-            rows = plan.rows(j)
-            # `mine` is in batch order (`positions`), so microbatch j's completions are its j-th run of len(rows)
-            completions = [Completion(mine[s].ids + samples.completions[s], len(mine[s].ids), rewards[row],
-                                      samples.logprobs[s]) for s, row in enumerate(rows, start=j * len(rows))]
-            inputs, labels = self.collate(rewards_t, lens_t, rows, completions, keep)
-            batch.append(dict(input=inputs["input"], labels=labels, rollouts=inputs["rollouts"]))
-        if self.cfg.num_iterations > 1:
-            # the replays' old log-probs: the policy's before any update from this batch
-            device = next(self.policy.parameters()).device
-            for record in batch:
-                record["old_logprobs"] = self.policy.logprobs(record["input"].to(device),
-                                                              record["labels"].to(device)).cpu()
-        return batch
+    def _log(self, index: int, groups: list["SampledGroup"]) -> None:
+        folder = Path(self.dump_folder) / "completions"
+        folder.mkdir(parents=True, exist_ok=True)
+        dp = dist.get_rank(self.dp_group) if self.dp_group is not None else 0
+        with open(folder / f"batch-{index:06d}-dp{dp}.jsonl", "w") as f:
+            for g in groups:
+                for m in range(len(g.rewards)):
+                    f.write(json.dumps(dict(
+                        prompt=g.prompt.text, where=g.prompt.where, completion=g.texts[m],
+                        completion_ids=g.completions[m], truncated=g.truncated[m], reward=g.rewards[m],
+                        rewards={fn.name: (None if r[m] != r[m] else r[m]) for fn, r in zip(self.reward_fns, g.fn_rewards)},
+                    )) + "\n")
 
     def _score(self, prompts: list[str], texts: list[str], completion_ids: list[list[int]], columns: dict[str, list],
                where: list[str]) -> tuple[list[float], list[list[float]]]:
@@ -235,21 +313,9 @@ class OnlineDataset(IterableDataset, Stateful):
         per_fn = [[v for p, _ in parts for v in p[1][k]] for k in range(len(self.reward_fns))]
         return totals, per_fn
 
-    def _log(self, index: int, mine: list[Prompt], texts, samples, totals, per_fn) -> None:
-        folder = Path(self.dump_folder) / "completions"
-        folder.mkdir(parents=True, exist_ok=True)
-        dp = dist.get_rank(self.dp_group) if self.dp_group is not None else 0
-        with open(folder / f"batch-{index:06d}-dp{dp}.jsonl", "w") as f:
-            for s, p in enumerate(mine):
-                f.write(json.dumps(dict(
-                    prompt=p.text, where=p.where, completion=texts[s], completion_ids=samples.completions[s],
-                    truncated=samples.truncated[s], reward=totals[s],
-                    rewards={fn.name: (None if r[s] != r[s] else r[s]) for fn, r in zip(self.reward_fns, per_fn)},
-                )) + "\n")
-
     def state_dict(self) -> dict[str, Any]:
         state = dict(batch_index=self.batch_index, iteration=self.iteration, microbatch=self.microbatch,
-                     num_prompts=len(self.prompts))
+                     num_prompts=len(self.prompts), stream_pos=self.stream_pos)
         mid_batch = self.microbatch < self.plan.grad_accum or self.iteration + 1 < self.cfg.num_iterations
         if self.batch is not None and (self.iteration or self.microbatch) and mid_batch:
             state["batch"] = [dict(rec, rollouts=rec["rollouts"].to(torch.device("cpu"))) for rec in self.batch]
@@ -265,6 +331,9 @@ class OnlineDataset(IterableDataset, Stateful):
         self.batch_index, self.iteration, self.microbatch = (
             state_dict["batch_index"], state_dict["iteration"], state_dict["microbatch"])
         self.batch = state_dict.get("batch")
+        # a checkpoint of a version without filter_groups: batch b drew positions [b*K, (b+1)*K)
+        begun = bool(self.iteration or self.microbatch)
+        self.stream_pos = state_dict.get("stream_pos", (self.batch_index + begun) * self.plan.groups_per_step)
         for record in self.batch or []:  # earlier versions kept the replays' old log-probs in the rollouts
             record.setdefault("old_logprobs", record["rollouts"].old_logprobs)
 
@@ -288,12 +357,14 @@ def build_online_dataset(job_config, job: GRPOJob, tokenizer, encoder, batching)
     prompts, skipped = load_prompts(training.dataset_path, encoder, tokenizer, fmt=cfg.format,
                                     max_new_tokens=online.max_new_tokens, on_error=cfg.on_error)
     job.stats.skipped_rows = skipped
-    job.online_stats = OnlineStats([f.name for f in reward_fns])
+    job.online_stats = OnlineStats([f.name for f in reward_fns], online.filter_groups)
     plan, collate = batching(G, len(prompts), "prompts", sampled=True)
     logger.info(
         f"Online GRPO: {len(prompts)} prompts from {training.dataset_path}, {plan.groups_per_step} per batch, "
         f"{G} completions each, up to {online.max_new_tokens} new tokens (stop ids {stop_ids}), "
-        f"{online.num_iterations} optimizer step(s) per batch, rewards: "
+        f"{online.num_iterations} optimizer step(s) per batch"
+        + (f", equal-reward groups dropped (up to {online.max_num_gen_batches or 'unlimited'} generation rounds)"
+           if online.filter_groups else "") + ", rewards: "
         + ", ".join(f"{f.weight:g} * {f.key.split('= ', 1)[1]}" for f in reward_fns)
     )
     return OnlineDataset(prompts, plan, collate, job_config.debug.seed or 0, online, reward_fns, tokenizer,
