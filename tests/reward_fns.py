@@ -83,3 +83,32 @@ def equal_on_even_target(prompts, completions, completion_ids, **columns):
 
 def constant(prompts, completions, completion_ids, **columns):
     return [1.0] * len(prompts)
+
+
+def soft_overlong_copy(max_completion_len: int, soft_punish_cache: int):
+    """A copy of TRL 1.16's trl.rewards.get_soft_overlong_punishment (trl/rewards/other_rewards.py): its signature,
+    and DAPO's eq. 13 as TRL computes it, called as TRL calls it, fn(completion_ids, **kwargs)."""
+    def soft_overlong_punishment_reward(completion_ids: list[list[int]], **kwargs) -> list[float]:
+        rewards = []
+        for ids in completion_ids:
+            n = len(ids)
+            if n <= max_completion_len - soft_punish_cache:
+                rewards.append(0.0)
+            elif n <= max_completion_len:
+                rewards.append((max_completion_len - soft_punish_cache - n) / soft_punish_cache)
+            else:
+                rewards.append(-1.0)
+        return rewards
+
+    return soft_overlong_punishment_reward
+
+
+try:  # TRL's ready-made reward, used as it is: TRL is no dependency of this package
+    from trl.rewards import get_soft_overlong_punishment
+except ImportError:
+    get_soft_overlong_punishment = soft_overlong_copy
+
+
+# [online] max_new_tokens = 6 in tests/test_online_e2e.py: completions past 3 tokens are punished
+soft_overlong = get_soft_overlong_punishment(max_completion_len=6, soft_punish_cache=3)
+short_soft_overlong = get_soft_overlong_punishment(max_completion_len=4, soft_punish_cache=2)

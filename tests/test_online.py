@@ -305,6 +305,20 @@ def test_truncated_completions_leave_the_loss_but_count_in_advantages(tmp_path, 
     torch.testing.assert_close(ours, trl_aggregate(L, mask, loss_type, horizon), rtol=1e-6, atol=1e-9)
 
 
+class AlwaysTruncatingSampler(CountingSampler):
+    def generate(self, prompts, keys):
+        self.calls += 1
+        comps = [[k % 7 + 10] * 4 for k in keys]
+        return Samples(comps, [[-0.5] * 4 for _ in comps], [True] * len(keys))
+
+
+def test_a_batch_of_truncated_completions_makes_no_update(tmp_path, tokenizer):
+    """TRL's loss is 0 when every completion is masked; torchtitan would divide by 0 tokens: the tokens stay, weighted 0."""
+    ds = _online_dataset(tmp_path, tokenizer, sampler=AlwaysTruncatingSampler, mask_truncated_completions=True)
+    inputs, labels = next(iter(ds))
+    assert (labels != IGNORE_INDEX).sum() > 0 and (inputs["rollouts"].loss_weights == 0).all()
+
+
 def test_truncated_completions_stay_in_the_loss_by_default(tmp_path, tokenizer):
     ds = _online_dataset(tmp_path, tokenizer, G=4, n_prompts=4, sampler=TruncatingSampler)
     labels = torch.cat([next(iter(ds))[1]])
@@ -467,3 +481,33 @@ def test_filter_groups_batches_do_not_depend_on_the_layout(tmp_path, tokenizer):
     assert all(torch.equal(x, y) for x, y in zip(dp, one_rank))
     for r in (0, 1):
         assert all(torch.equal(x, y) for x, y in zip(ranks[r]["tp2"], one_rank))
+
+
+# --- TRL's ready-made rewards -------------------------------------------------------------------------
+
+def test_trls_soft_overlong_punishment_rewards_the_batch(tmp_path, tokenizer):
+    """trl.rewards.get_soft_overlong_punishment (or its copy without TRL) named in reward_funcs as it is."""
+    import reward_fns
+
+    print("TRL's own" if reward_fns.get_soft_overlong_punishment.__module__.startswith("trl") else "the copy")
+    ds = _online_dataset(tmp_path, tokenizer, G=4, reward_funcs=["reward_fns:short_soft_overlong"])
+    it = iter(ds)
+    seen = set()
+    for inputs, labels in (next(it) for _ in range(4)):
+        lengths = (labels != IGNORE_INDEX).sum(1).tolist()  # the stand-in sampler's: 2, 3 or 4, EOS included
+        seen.update(lengths)
+        # DAPO's eq. 13 with L_max = 4, L_cache = 2: 0 up to 2 tokens, then -1/2 per token over
+        assert inputs["rollouts"].rewards.tolist() == [{2: 0.0, 3: -0.5, 4: -1.0}[n] for n in lengths]
+    assert seen == {2, 3, 4}
+    assert "online/reward/short_soft_overlong_mean" in ds.stats.take()
+
+
+def test_the_copy_of_trls_soft_overlong_punishment_is_trls():
+    trl_rewards = pytest.importorskip("trl.rewards", reason="TRL is not installed: the copy in tests/reward_fns.py "
+                                                            "stands in for it")
+    import reward_fns
+
+    ids = [[1] * n for n in range(12)]
+    for max_len, cache in [(6, 3), (4, 2), (10, 1)]:
+        assert reward_fns.soft_overlong_copy(max_len, cache)(completion_ids=ids) == \
+            trl_rewards.get_soft_overlong_punishment(max_len, cache)(completion_ids=ids)

@@ -174,7 +174,12 @@ class Collate:
         cfg = self.cfg
         # every completion, kept or not, counts in its group's mean and std (TRL's convention)
         adv = advantages(rewards, self.group_size, cfg.advantage_norm, cfg.advantage_eps)
-        weights = loss_weights(completion_lens, cfg.loss_aggregation, cfg.horizon or self.seq_len, keep)
+        if keep is not None and not keep.any():
+            # nothing left to train on, where TRL's loss is 0: torchtitan would divide by 0 tokens, so the tokens
+            # stay, weighted 0 (no update; the metrics still see them)
+            keep, weights = None, torch.zeros(len(completion_lens))
+        else:
+            weights = loss_weights(completion_lens, cfg.loss_aggregation, cfg.horizon or self.seq_len, keep)
         n = len(batch)
         inputs = torch.full((n, self.seq_len), self.pad_id, dtype=torch.long)
         labels = torch.full((n, self.seq_len), IGNORE_INDEX, dtype=torch.long)

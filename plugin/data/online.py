@@ -213,7 +213,7 @@ class OnlineDataset(IterableDataset, Stateful):
             if not keep.any():
                 logger.warning(f"Online batch {index}: every completion reached [online] max_new_tokens = "
                                f"{cfg.max_new_tokens} and mask_truncated_completions leaves none in the loss: the "
-                               "step has no tokens to divide by, and [grpo] on_nonfinite decides (skip drops the update)")
+                               "step makes no update (its loss is 0, as TRL's)")
         batch = []
         for j in range(plan.grad_accum):
             rows = plan.rows(j)
