@@ -200,6 +200,9 @@ class Online:
     max_num_gen_batches: int = 10
     """With filter_groups, most generation rounds per batch, the first included (verl's name); then equal-reward groups fill the batch, with a warning; 0 = no limit."""
 
+    behavior_logprobs: Literal["policy", "sampler"] = "policy"
+    """The ratio's l_old: the policy's (the first step on-policy, replays the pre-update pass), or the sampler's own, truncated at [grpo] behavior_ratio_cap (TRL's vllm_importance_sampling_correction)."""
+
     mask_truncated_completions: bool = False
     """Leave completions cut at max_new_tokens (no stop id) out of the loss; they still count in their group's advantages (TRL's name)."""
 
@@ -297,6 +300,9 @@ def validate_job(job_config) -> None:
             f"[grpo] use_bias_correction_kl with kl_max = {g.kl_max}: a capped token keeps only the ratio's gradient, "
             "which lowers its log-prob where pi << pi_ref; set [grpo] kl_max = 0 with the correction (README, 'The loss')"
         )
+    if job_config.online.enable and job_config.online.behavior_logprobs == "sampler" and g.behavior_ratio_cap == 0:
+        logger.warning('[online] behavior_logprobs = "sampler" with [grpo] behavior_ratio_cap = 0: the ratio to the '
+                       "sampler is only clipped, not truncated; TRL's vllm_importance_sampling_cap is 3")
     r = job_config.reference_model
     if r.checkpoint_path:
         r.checkpoint_format = reference_checkpoint_format(r.checkpoint_path, r.checkpoint_format)

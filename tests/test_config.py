@@ -134,7 +134,8 @@ OUT_OF_RANGE = {
     "rollout_data": dict(format="", on_error="", chat_template="{other}"),
     "online": dict(enable="", num_generations=1, max_new_tokens=0, stop_token_ids=[-1], reward_funcs=["no_colon"],
                    reward_weights=[float("nan")], num_iterations=0, kv_cache="", log_completions="",
-                   filter_groups="", max_num_gen_batches=-1, mask_truncated_completions=""),
+                   filter_groups="", max_num_gen_batches=-1, behavior_logprobs="vllm",
+                   mask_truncated_completions=""),
 }
 SECTIONS = {"grpo": grpo_config.GRPO, "reference_model": grpo_config.ReferenceModel,
             "rollout_data": grpo_config.RolloutData, "online": grpo_config.Online}

@@ -511,3 +511,35 @@ def test_the_copy_of_trls_soft_overlong_punishment_is_trls():
     for max_len, cache in [(6, 3), (4, 2), (10, 1)]:
         assert reward_fns.soft_overlong_copy(max_len, cache)(completion_ids=ids) == \
             trl_rewards.get_soft_overlong_punishment(max_len, cache)(completion_ids=ids)
+
+
+# --- the sampler's log-probs as behaviour log-probs -----------------------------------------------------
+
+def test_sampler_logprobs_are_every_passs_behaviour_logprobs(tmp_path, tokenizer):
+    ds = _online_dataset(tmp_path, tokenizer, mu=2, behavior_logprobs="sampler")
+    it = iter(ds)
+    for iteration in range(2):
+        for _ in range(2):
+            inputs, labels = next(it)
+            r = inputs["rollouts"]
+            completion = labels != IGNORE_INDEX
+            # the stand-in sampler's log-prob is -0.5 per token: the loss's l_old there, NaN (on-policy) elsewhere
+            assert r.old_logprobs[completion].eq(-0.5).all() and r.old_logprobs[~completion].isnan().all()
+            assert (r.sampler_logprobs is not None) == (iteration == 0)  # the mismatch metric, once per batch
+    assert ds.policy.calls == 0  # no pre-update pass: the replays need none
+
+
+def test_the_loss_truncates_the_ratio_to_the_sampler():
+    """What the loss does with those rollouts: r = min(exp(l - l_sampler), behavior_ratio_cap), then clipped."""
+    from plugin.model.policy import PolicyOutput
+    from plugin.scoring.loss import build_grpo_loss
+
+    cfg = parse_config("--grpo.behavior_ratio_cap", "1.5", "--grpo.beta", "0", "--grpo.clip_high", "10")
+    lp = torch.tensor([[-1.0, -0.2, -3.0, -0.5]], dtype=torch.float64, requires_grad=True)
+    sampler = torch.tensor([[float("nan"), -1.0, -2.9, -0.5]], dtype=torch.float64)
+    labels = torch.tensor([[IGNORE_INDEX, 5, 6, 7]])
+    one = torch.ones(1, dtype=torch.float64)
+    pred = PolicyOutput(lp, torch.zeros_like(lp), None, sampler, one, one, one, sampler)
+    loss = build_grpo_loss(cfg)(pred, labels)
+    ratios = [min(math.exp(-0.2 + 1.0), 1.5), math.exp(-3.0 + 2.9), 1.0]  # A = 1: -sum of the ratios
+    assert loss.item() == pytest.approx(-sum(ratios), rel=1e-12)

@@ -158,7 +158,9 @@ class OnlineDataset(IterableDataset, Stateful):
             record = self.batch[self.microbatch]
             r = record["rollouts"]
             # the first pass is on-policy and measures the sampler's log-probs; replays use the batch's old log-probs
-            old, sampler = (None, r.sampler_logprobs) if self.iteration == 0 else (record["old_logprobs"], None)
+            old, sampler = (None, r.sampler_logprobs) if self.iteration == 0 else (record.get("old_logprobs"), None)
+            if self.cfg.behavior_logprobs == "sampler":  # every pass's ratio is to the sampler that drew the batch
+                old = r.sampler_logprobs
             rollouts = Rollouts(r.advantages, r.rewards, r.loss_weights, old, sampler)
             self.microbatch += 1
             yield {"input": record["input"], "labels": record["labels"], "rollouts": rollouts}, record["labels"]
@@ -224,7 +226,7 @@ class OnlineDataset(IterableDataset, Stateful):
                                               g.logprobs[m]))
             inputs, labels = self.collate(rewards_t, lens_t, rows, completions, keep)
             batch.append(dict(input=inputs["input"], labels=labels, rollouts=inputs["rollouts"]))
-        if cfg.num_iterations > 1:
+        if cfg.num_iterations > 1 and cfg.behavior_logprobs == "policy":
             # the replays' old log-probs: the policy's before any update from this batch
             device = next(self.policy.parameters()).device
             for record in batch:
