@@ -29,6 +29,9 @@ class GRPO:
     behavior_ratio_cap: float = 0.0
     """With behaviour log-probs in the rollouts, the importance ratio is truncated at this value; 0 = no cap."""
 
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """token: each token's ratio; sequence (GSPO, TRL's name): exp(mean token log-ratio of the completion) for all its tokens, clipped as one."""
+
     entropy_coef: float = 0.0
     """Entropy bonus: entropy_coef * per-token entropy is subtracted from the loss."""
 
@@ -92,6 +95,10 @@ class GRPO:
         _check("grpo", "dual_clip", self.dual_clip, self.dual_clip == 0 or self.dual_clip > 1, "0 (off) or > 1")
         _check("grpo", "behavior_ratio_cap", self.behavior_ratio_cap,
                self.behavior_ratio_cap == 0 or self.behavior_ratio_cap >= 1, "0 (off) or >= 1")
+        if self.importance_sampling_level == "sequence" and self.use_bias_correction_kl:
+            # TRL weights every token's KL by the sequence ratio there, a gradient the chunked passes cannot separate
+            raise ValueError('[grpo] use_bias_correction_kl = true is not supported with [grpo] importance_sampling_level '
+                             '= "sequence" yet: set one of them back to its default')
         _check("grpo", "entropy_coef", self.entropy_coef, self.entropy_coef >= 0, ">= 0")
         _check("grpo", "kl_log_ratio_clamp", self.kl_log_ratio_clamp, self.kl_log_ratio_clamp >= 0, ">= 0 (0 = no clamp)")
         _check("grpo", "kl_max", self.kl_max, self.kl_max >= 0, ">= 0 (0 = no cap)")
@@ -195,6 +202,17 @@ class Online:
 
     eval_log_completions: bool = False
     """Write every evaluation completion, its prompt and rewards to <dump_folder>/eval/step-<n>-dp<r>.jsonl."""
+    filter_groups: bool = False
+    """Dynamic sampling (DAPO, verl's algorithm.filter_groups): drop groups whose rewards are all equal, sample more prompts until the batch is full."""
+
+    max_num_gen_batches: int = 10
+    """With filter_groups, most generation rounds per batch, the first included (verl's name); then equal-reward groups fill the batch, with a warning; 0 = no limit."""
+
+    behavior_logprobs: Literal["policy", "sampler"] = "policy"
+    """The ratio's l_old: the policy's (the first step on-policy, replays the pre-update pass), or the sampler's own, truncated at [grpo] behavior_ratio_cap (TRL's vllm_importance_sampling_correction)."""
+
+    mask_truncated_completions: bool = False
+    """Leave completions cut at max_new_tokens (no stop id) out of the loss; they still count in their group's advantages (TRL's name)."""
 
     def __post_init__(self):
         _check_types("online", self)
@@ -205,6 +223,8 @@ class Online:
         _check("online", "num_generations_eval", self.num_generations_eval, self.num_generations_eval >= 1, ">= 1")
         _check("online", "eval_temperature", self.eval_temperature,
                self.eval_temperature >= 0 and math.isfinite(self.eval_temperature), "a finite number >= 0 (0 = greedy)")
+        _check("online", "max_num_gen_batches", self.max_num_gen_batches, self.max_num_gen_batches >= 0,
+               ">= 0 (0 = no limit)")
         for i, t in enumerate(self.stop_token_ids):
             _check("online", f"stop_token_ids[{i}]", t, t >= 0, "a token id >= 0")
         for i, f in enumerate(self.reward_funcs):
@@ -291,6 +311,9 @@ def validate_job(job_config) -> None:
             f"[grpo] use_bias_correction_kl with kl_max = {g.kl_max}: a capped token keeps only the ratio's gradient, "
             "which lowers its log-prob where pi << pi_ref; set [grpo] kl_max = 0 with the correction (README, 'The loss')"
         )
+    if job_config.online.enable and job_config.online.behavior_logprobs == "sampler" and g.behavior_ratio_cap == 0:
+        logger.warning('[online] behavior_logprobs = "sampler" with [grpo] behavior_ratio_cap = 0: the ratio to the '
+                       "sampler is only clipped, not truncated; TRL's vllm_importance_sampling_cap is 3")
     r = job_config.reference_model
     if r.checkpoint_path:
         r.checkpoint_format = reference_checkpoint_format(r.checkpoint_path, r.checkpoint_format)

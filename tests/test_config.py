@@ -41,6 +41,8 @@ def test_every_field_has_a_default_and_a_docstring():
         ("GRPO", dict(beta=-1.0), r"\[grpo\] beta = -1.0 must be"),
         ("GRPO", dict(temperature=0.0), r"\[grpo\] temperature = 0.0 must be > 0"),
         ("GRPO", dict(group_size=1), r"\[grpo\] group_size = 1 must be 0"),
+        ("GRPO", dict(importance_sampling_level="sequence", use_bias_correction_kl=True),
+         r"\[grpo\] use_bias_correction_kl = true is not supported with \[grpo\] importance_sampling_level"),
         ("GRPO", dict(kl_max=-1.0), r"\[grpo\] kl_max = -1.0 must be >= 0"),
         ("GRPO", dict(kl_log_ratio_clamp=-1.0), r"\[grpo\] kl_log_ratio_clamp = -1.0 must be >= 0"),
         ("GRPO", dict(logprob_chunk_size=-1), r"\[grpo\] logprob_chunk_size = -1 must be >= 0"),
@@ -128,7 +130,8 @@ def test_validate_job_runs_once_at_start_up(monkeypatch):
 
 # every key of the plugin's sections, with a value out of its range ("" where any value is in range)
 OUT_OF_RANGE = {
-    "grpo": dict(clip_low=-0.1, clip_high=-1.0, dual_clip=0.5, behavior_ratio_cap=0.5, entropy_coef=-1.0,
+    "grpo": dict(clip_low=-0.1, clip_high=-1.0, dual_clip=0.5, behavior_ratio_cap=0.5, importance_sampling_level="seq",
+                 entropy_coef=-1.0,
                  beta=float("inf"), kl_estimator="k0", use_bias_correction_kl="", kl_log_ratio_clamp=-1.0,
                  kl_max=-1.0, loss_aggregation="mean", horizon=-1, advantage_norm="std", advantage_eps=0.0,
                  group_size=1, temperature=-1.0, logprob_chunk_size=-2, logprob_chunk_tokens=-1,
@@ -138,7 +141,9 @@ OUT_OF_RANGE = {
     "rollout_data": dict(format="", on_error="", chat_template="{other}"),
     "online": dict(enable="", num_generations=1, max_new_tokens=0, stop_token_ids=[-1], reward_funcs=["no_colon"],
                    reward_weights=[float("nan")], num_iterations=0, kv_cache="", log_completions="",
-                   num_generations_eval=0, eval_temperature=-1.0, eval_log_completions=""),
+                   num_generations_eval=0, eval_temperature=-1.0, eval_log_completions="",
+                   filter_groups="", max_num_gen_batches=-1, behavior_logprobs="vllm",
+                   mask_truncated_completions=""),
 }
 SECTIONS = {"grpo": grpo_config.GRPO, "reference_model": grpo_config.ReferenceModel,
             "rollout_data": grpo_config.RolloutData, "online": grpo_config.Online}

@@ -11,6 +11,8 @@
    chunked_logprobs on one rank (eager and compiled) and against fp64 at TP=2.
 """
 
+import contextlib
+
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -56,8 +58,12 @@ def batch(seed: int, mode: str):
     return tokens, labels, rollouts
 
 
-def train(fused: bool, mode: str, *extra: str, microbatches: int = 1, parallel_dims=None, rank: int = 0):
-    """Loss per microbatch and the accumulated gradients of every parameter, from one seed."""
+def train(fused: bool, mode: str, *extra: str, microbatches: int = 1, parallel_dims=None, rank: int = 0,
+          replay: bool = False):
+    """Loss per microbatch and the accumulated gradients of every parameter, from one seed.
+
+    `replay`: behaviour log-probs on every completion token, the policy's own moved by noise (as in a
+    replay, mu > 1), so every completion's ratio differs from 1."""
     model, cfg, *_ = build_model("--parallelism.tensor_parallel_degree", "1", "--grpo.loss_aggregation", mode,
                                  "--grpo.entropy_coef", "0.01", "--grpo.logprob_chunk_tokens", "12",
                                  "--grpo.dual_clip", "3", *(["--grpo.fused_policy_pass"] if fused else []), *extra,
@@ -74,6 +80,10 @@ def train(fused: bool, mode: str, *extra: str, microbatches: int = 1, parallel_d
     losses = []
     for j in range(microbatches):
         tokens, labels, rollouts = batch(100 * rank + j, mode)  # data parallel ranks score different batches
+        if replay:
+            noise = torch.randn(labels.shape, generator=torch.Generator().manual_seed(7 + j)) * 0.1
+            noise += torch.linspace(-0.3, 0.3, labels.shape[0])[:, None]  # sequence ratios from 0.74 to 1.35
+            rollouts.old_logprobs = model.logprobs(tokens, labels) + noise
         pred = model(tokens, labels=labels, rollouts=rollouts)
         assert (pred.fused_loss is not None) == fused
         loss = loss_fn(pred, labels)
@@ -99,6 +109,17 @@ def assert_same(got, want):
 def test_fused_matches_todays_path(mode):
     """Every aggregation mode, with an entropy bonus, dual clip, behaviour log-probs and KL: same loss and gradients."""
     assert_same(train(True, mode), train(False, mode))
+
+
+SEQUENCE = ("--grpo.importance_sampling_level", "sequence")
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "fixed_horizon"])
+def test_fused_sequence_ratio_matches_todays_path(mode):
+    """GSPO's ratio needs each completion's mean log-ratio before the first chunk: same loss, gradients and metrics."""
+    fused = train(True, mode, *SEQUENCE, replay=True)
+    assert_same(fused, train(False, mode, *SEQUENCE, replay=True))
+    assert not torch.allclose(fused[0][0], train(False, mode, replay=True)[0][0])  # not the token-level loss
 
 
 def test_fused_tied_weights():
@@ -322,6 +343,37 @@ def test_fused_tp2(tp_fused, chunk_tokens, vocab_block):
 def test_blocked_tp2(tp_fused, chunk_tokens, vocab_block):
     """The reference's pass on the vocab-parallel head, uneven vocab and blocks: log-probs and entropies match fp64."""
     assert_check_passed(tp_fused, f"blocked_{chunk_tokens}_{vocab_block}")
+
+
+def _sequence_ranks(rank, world_size, out):
+    """GSPO's sequence-level ratio on 2 ranks, replayed batches: TP=2 (same batch on both ranks) and FSDP=2."""
+    from torch.distributed.tensor.parallel import loss_parallel
+    from torchtitan.distributed import ParallelDims
+
+    torch.set_num_threads(1)
+    results = {}
+    for name, (tp, dp) in {"tp2": (2, 1), "fsdp2": (1, 2)}.items():
+        pd = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=1, ep=1, etp=1, world_size=2)
+        flags = (*SEQUENCE, "--parallelism.tensor_parallel_degree", str(tp), "--parallelism.data_parallel_shard_degree",
+                 str(dp))
+        with loss_parallel() if tp > 1 else contextlib.nullcontext():  # as torchtitan's train_context under TP
+            results[name] = [train(fused, "seq_mean_token_mean", *flags, microbatches=2, parallel_dims=pd,
+                                   rank=rank if dp > 1 else 0, replay=True) for fused in (True, False)]
+    if rank == 0:
+        torch.save(results, out)
+
+
+@pytest.fixture(scope="module")
+def sequence_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sequence_ranks") / "results.pt"
+    run_ranks(2, _sequence_ranks, str(out))
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "fsdp2"])
+def test_fused_sequence_ratio_tp2_fsdp2(sequence_ranks, layout):
+    """Under TP each rank's chunks hold its sequence shard; under FSDP the head's pre-pass runs inside its gather."""
+    assert_same(*sequence_ranks[layout])
 
 
 @pytest.mark.parametrize("nproc, tp, replicate", [(1, 1, 1), (2, 2, 1), (2, 1, 1), (4, 2, 1), (4, 1, 2)],

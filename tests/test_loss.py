@@ -252,3 +252,80 @@ def test_kl_options_come_from_the_config():
                                     est="k3", ratio_cap=0.0, clamp=clamp, kl_max=cap, correction=correction,
                                     clip_low=0.2, clip_high=0.2).sum()
         assert got.item() == pytest.approx(want.item(), rel=1e-12)
+
+
+# --- the sequence-level ratio (GSPO) ----------------------------------------------------------------
+
+TRL_FIXTURE = REPO / "tests/fixtures/trl_loss.pt"
+
+
+@pytest.mark.parametrize("case", range(24))
+def test_loss_matches_trls_own_in_the_modes_they_share(case):
+    """TRL 1.16's GRPOTrainer._compute_loss, run by tests/fixtures/make_trl_loss_fixture.py: the loss torchtitan
+    ends up with (our sum / global completion tokens) and its gradient, token and sequence level, k3 KL."""
+    from plugin.data.batch import loss_weights
+
+    fixture = torch.load(TRL_FIXTURE, weights_only=False)
+    c = fixture["cases"][case]
+    x, o = c["inputs"], c["options"]
+    mask = x["mask"].bool()
+    lp = x["logprobs"].clone().requires_grad_()
+    w = loss_weights(mask.sum(1), c["mode"], fixture["max_len"]).double()
+    terms = grpo_token_terms(lp, x["old"], x["ref"], x["adv"], w, mask, torch.zeros_like(lp), clip_low=o["eps_low"],
+                             clip_high=o["eps_high"], beta=o["beta"], kl_estimator="k3",
+                             importance_sampling_level=o["level"])
+    loss = terms.loss.sum() / mask.sum()  # what torchtitan divides by
+    loss.backward()
+    # loss_weights are float32: the weighted sum agrees with TRL's to float32's precision
+    torch.testing.assert_close(loss.detach(), c["loss"], rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(lp.grad, c["grad"], rtol=1e-6, atol=1e-9)
+    if o["level"] == "sequence":  # every token of a completion carries its sequence's ratio
+        r = terms.ratio.masked_fill(~mask, float("nan"))
+        assert torch.allclose(r.nanmean(1, keepdim=True).expand_as(r)[mask], r[mask])
+
+
+def sequence_reference_loss(lp, old, adv, w, mask, *, clip_low, clip_high, dual, cap):
+    """TRL's sequence level (grpo_trainer.py, _compute_loss: exp of the masked mean log-ratio, gradient through the
+    mean), with this package's dual clip and ratio cap applied to that ratio; fp64, per token."""
+    m = mask.double()
+    s = torch.exp(((lp - old) * m).sum(-1) / m.sum(-1).clamp(min=1))[:, None]
+    if cap:
+        s = torch.minimum(s, torch.tensor(cap, dtype=s.dtype))
+    a = adv[:, None]
+    pg = -torch.minimum(s * a, torch.clamp(s, 1 - clip_low, 1 + clip_high) * a)
+    if dual:
+        pg = torch.where(a < 0, torch.minimum(pg, -dual * a), pg)
+    return pg * w[:, None] * m
+
+
+@pytest.mark.parametrize("dual, cap", [(0.0, 0.0), (3.0, 0.0), (0.0, 1.1), (2.0, 1.25)])
+def test_sequence_ratio_with_dual_clip_and_cap_matches_the_exact_form(dual, cap):
+    g = torch.Generator().manual_seed(3)
+    B, T = 8, 13
+    lp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 2
+    old = lp + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.2 \
+        + torch.linspace(-0.5, 0.5, B, dtype=torch.float64)[:, None]  # sequence ratios from 0.6 to 1.6
+    adv = torch.randn(B, generator=g, dtype=torch.float64)
+    w = torch.rand(B, generator=g, dtype=torch.float64) + 0.5
+    mask = torch.rand(B, T, generator=g) > 0.3
+    x, y = lp.clone().requires_grad_(), lp.clone().requires_grad_()
+    terms = grpo_token_terms(x, old, None, adv, w, mask, torch.zeros_like(lp), clip_low=0.2, clip_high=0.2,
+                             beta=0.0, kl_estimator="k3", dual_clip=dual, ratio_cap=cap,
+                             importance_sampling_level="sequence")
+    want = sequence_reference_loss(y, old, adv, w, mask, clip_low=0.2, clip_high=0.2, dual=dual, cap=cap)
+    torch.testing.assert_close(terms.loss, want, rtol=1e-12, atol=1e-12)
+    terms.loss.sum().backward()
+    want.sum().backward()
+    torch.testing.assert_close(x.grad, y.grad, rtol=1e-10, atol=1e-12)
+    assert (x.grad != 0).any() and (terms.clipped_low | terms.clipped_high).any()
+    # the fused pass hands each chunk the completion's mean log-ratio: any split of the tokens gives the same terms
+    m = mask.double()
+    seq = ((lp - old) * m).sum(-1) / m.sum(-1).clamp(min=1)
+    z = lp.clone().requires_grad_()
+    for cols in (slice(0, 5), slice(5, T)):
+        part = grpo_token_terms(z[:, cols], old[:, cols], None, adv, w, mask[:, cols], torch.zeros(B, 1), clip_low=0.2,
+                                clip_high=0.2, beta=0.0, kl_estimator="k3", dual_clip=dual, ratio_cap=cap,
+                                importance_sampling_level="sequence", seq_log_ratio=seq)
+        torch.testing.assert_close(part.loss, want[:, cols].detach(), rtol=1e-12, atol=1e-12)
+        part.loss.sum().backward()
+    torch.testing.assert_close(z.grad, y.grad, rtol=1e-10, atol=1e-12)

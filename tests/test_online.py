@@ -1,6 +1,9 @@
 """Online mode's pieces without a model: prompt files, reward functions, and the dataset's batches, replays and resume."""
 
+import json
 import math
+import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -115,6 +118,15 @@ class CountingSampler:
         return Samples(comps, [[-0.5] * len(c) for c in comps], [False] * len(comps))
 
 
+class TruncatingSampler(CountingSampler):
+    """CountingSampler, but a key with key % 3 == 2 reaches max_new_tokens = 4 without EOS (truncated)."""
+
+    def generate(self, prompts, keys):
+        self.calls += 1
+        comps = [[k % 7 + 10] * 4 if k % 3 == 2 else [k % 7 + 10] * (k % 3 + 1) + [self.eos] for k in keys]
+        return Samples(comps, [[-0.5] * len(c) for c in comps], [k % 3 == 2 for k in keys])
+
+
 class Policy(torch.nn.Module):
     """Stands in for the policy: the log-probs it scores (the replays' old log-probs) are -0.01 * each input id."""
 
@@ -127,16 +139,18 @@ class Policy(torch.nn.Module):
         return tokens.float() * -0.01
 
 
-def _online_dataset(tmp_path, tokenizer, *, mu=1, grad_accum=2, n_prompts=6, seed=0):
+def _online_dataset(tmp_path, tokenizer, *, mu=1, grad_accum=2, n_prompts=6, seed=0, G=2, sampler=CountingSampler,
+                    grpo=None, dp=(0, 1), **online):
     rows = [{"prompt_ids": [1, 100 + i], "target": i} for i in range(n_prompts)]
     path = write(tmp_path / "prompts.jsonl", rows)
     prompts, _ = load_prompts(path, encoder(tokenizer), tokenizer, fmt="auto", max_new_tokens=4, on_error="raise")
-    cfg = Online(enable=True, num_generations=2, max_new_tokens=4, reward_funcs=["reward_fns:length"], num_iterations=mu)
-    plan = BatchPlan(group_size=2, groups_per_microbatch=1, grad_accum=grad_accum, dp_rank=0, dp_world_size=1)
+    cfg = Online(**{**dict(enable=True, num_generations=G, max_new_tokens=4, reward_funcs=["reward_fns:length"],
+                           num_iterations=mu), **online})
+    plan = BatchPlan(group_size=G, groups_per_microbatch=1, grad_accum=grad_accum, dp_rank=dp[0], dp_world_size=dp[1])
     fns = load_reward_fns(cfg.reward_funcs, [])
-    ds = OnlineDataset(prompts, plan, Collate(16, 0, GRPO(), 2, sampled=True), seed, cfg, fns, tokenizer, 0,
-                       [tokenizer.eos_id], 1.0, str(tmp_path), SimpleNamespace(), OnlineStats(["length"]))
-    ds.policy, ds.sampler = Policy(), CountingSampler(tokenizer.eos_id)
+    ds = OnlineDataset(prompts, plan, Collate(16, 0, grpo or GRPO(), G, sampled=True), seed, cfg, fns, tokenizer, 0,
+                       [tokenizer.eos_id], 1.0, str(tmp_path), SimpleNamespace(), OnlineStats([f.name for f in fns], cfg.filter_groups))
+    ds.policy, ds.sampler = Policy(), sampler(tokenizer.eos_id)
     return ds
 
 
@@ -246,3 +260,286 @@ def test_the_metrics_processor_gets_the_jobs_statistics(monkeypatch):
     job.online_stats = OnlineStats(["a"])
     build_grpo_metrics_processor(cfg, None)
     assert built == {"stats": job.stats, "online": job.online_stats} and GRPOJob.of(cfg) is job
+
+
+# --- mask_truncated_completions ---------------------------------------------------------------------
+
+def trl_aggregate(per_token_loss, completion_mask, loss_type, max_completion_length):
+    """TRL GRPOTrainer._compute_loss's aggregation (trl/trainer/grpo_trainer.py), on the whole batch at once:
+    with mask_truncated_completions TRL zeroes a truncated completion's row of completion_mask."""
+    m = completion_mask.double()
+    if loss_type == "grpo":
+        return ((per_token_loss * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
+    if loss_type == "bnpo":
+        return (per_token_loss * m).sum() / m.sum().clamp(min=1.0)
+    if loss_type == "dr_grpo":
+        return (per_token_loss * m).sum() / (per_token_loss.size(0) * max_completion_length)
+    raise ValueError(loss_type)
+
+
+@pytest.mark.parametrize("mode, loss_type", [("token_mean", "bnpo"), ("seq_mean_token_mean", "grpo"),
+                                             ("fixed_horizon", "dr_grpo")])
+def test_truncated_completions_leave_the_loss_but_count_in_advantages(tmp_path, tokenizer, mode, loss_type):
+    horizon = 4  # Dr. GRPO's max completion length: [online] max_new_tokens
+    ds = _online_dataset(tmp_path, tokenizer, G=4, n_prompts=4, sampler=TruncatingSampler,
+                         grpo=GRPO(loss_aggregation=mode, horizon=horizon), mask_truncated_completions=True)
+    it = iter(ds)
+    batch = [next(it) for _ in range(2)]
+    labels = torch.cat([lab for _, lab in batch])
+    r = [inputs["rollouts"] for inputs, _ in batch]
+    rewards, adv, w = (torch.cat([getattr(x, k) for x in r]) for k in ("rewards", "advantages", "loss_weights"))
+    keys = [sample_key(0, 0, i, m) for i in range(2) for m in range(4)]
+    truncated = torch.tensor([k % 3 == 2 for k in keys])
+    assert 0 < truncated.sum() < len(keys)  # the batch holds both kinds
+    # a truncated completion is sampled and rewarded (length 4), but has no loss token
+    assert rewards[truncated].eq(4).all()
+    assert (labels[truncated] == IGNORE_INDEX).all() and (labels[~truncated] != IGNORE_INDEX).any(dim=1).all()
+    # advantages from every completion's reward, as TRL computes them before masking
+    g = rewards.double().view(-1, 4)
+    assert torch.allclose(adv.double(), ((g - g.mean(1, keepdim=True)) / (g.std(1, keepdim=True) + 1e-4)).flatten(),
+                          atol=1e-6)
+    # what torchtitan computes with the weights, sum(w * L * m) / sum(m), is TRL's aggregation with the masked rows
+    mask = labels != IGNORE_INDEX
+    L = torch.randn(labels.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    ours = (w.double()[:, None] * L * mask).sum() / mask.sum()
+    torch.testing.assert_close(ours, trl_aggregate(L, mask, loss_type, horizon), rtol=1e-6, atol=1e-9)
+
+
+class AlwaysTruncatingSampler(CountingSampler):
+    def generate(self, prompts, keys):
+        self.calls += 1
+        comps = [[k % 7 + 10] * 4 for k in keys]
+        return Samples(comps, [[-0.5] * 4 for _ in comps], [True] * len(keys))
+
+
+def test_a_batch_of_truncated_completions_makes_no_update(tmp_path, tokenizer):
+    """TRL's loss is 0 when every completion is masked; torchtitan would divide by 0 tokens: the tokens stay, weighted 0."""
+    ds = _online_dataset(tmp_path, tokenizer, sampler=AlwaysTruncatingSampler, mask_truncated_completions=True)
+    inputs, labels = next(iter(ds))
+    assert (labels != IGNORE_INDEX).sum() > 0 and (inputs["rollouts"].loss_weights == 0).all()
+
+
+def test_truncated_completions_stay_in_the_loss_by_default(tmp_path, tokenizer):
+    ds = _online_dataset(tmp_path, tokenizer, G=4, n_prompts=4, sampler=TruncatingSampler)
+    labels = torch.cat([next(iter(ds))[1]])
+    assert (labels != IGNORE_INDEX).any(dim=1).all()
+
+
+# --- rewards run once: async functions together, TP ranks share the work --------------------------
+
+def test_async_reward_fns_are_awaited_together():
+    totals, per_fn = _score(["reward_fns:async_first", "reward_fns:async_second", "reward_fns:length"], ["a", "b"],
+                            weights=(1.0, 0.5, 1.0))
+    assert per_fn == [[1.0, 1.0], [2.0, 4.0], [1.0, 2.0]]
+    assert totals == [1 + 1 + 1, 1 + 2 + 2]
+
+
+def test_async_reward_fn_that_raises_names_the_prompt_row():
+    with pytest.raises(RewardError, match=r"reward_funcs\[0\] = 'reward_fns:async_raises_on_seven' raised on the "
+                                          r"prompt at p.jsonl:3: ZeroDivisionError: seven"):
+        _score(["reward_fns:async_raises_on_seven"], ["a", "b", "7", "d"])
+
+
+def _tp_rewards(rank, world_size, tmp):
+    import torch.distributed as dist
+
+    tmp = Path(tmp)
+    os.environ["REWARD_CALLS"] = str(tmp / f"calls-{rank}.jsonl")
+    tok = HuggingFaceTokenizer(str(REPO / "plugin/assets/tokenizer"))
+    folder = tmp / f"rank{rank}"
+    folder.mkdir()
+    ds = _online_dataset(folder, tok, G=3, reward_funcs=["reward_fns:logged_length"])
+    ds.tp_group = dist.group.WORLD  # the two ranks are one DP rank's TP peers: they sample the same completions
+    it = iter(ds)
+    batch = [next(it)[0]["rollouts"] for _ in range(2)]
+    torch.save([(r.rewards, r.advantages) for r in batch], tmp / f"batch-{rank}.pt")
+    ds.reward_fns = load_reward_fns(["reward_fns:raises_on_rank_1"], [])
+    with pytest.raises(RewardError) as failure:  # rank 1's failure stops rank 0 too, which would wait for it
+        ds._score(["p"] * 4, ["c"] * 4, [[1]] * 4, {}, ["p.jsonl:1"] * 4)
+    assert "sandbox unreachable" in str(failure.value)
+
+
+def test_tp_peers_run_each_reward_once_and_share_it(tmp_path, tokenizer):
+    from conftest import run_ranks
+
+    run_ranks(2, _tp_rewards, str(tmp_path))
+    calls = [json.loads(line) for rank in (0, 1) for line in (tmp_path / f"calls-{rank}.jsonl").read_text().splitlines()]
+    assert len(calls) == 2 * 3  # one batch: 2 groups of 3, each completion scored once in the job
+    assert all((tmp_path / f"calls-{rank}.jsonl").read_text() for rank in (0, 1))  # and the work is shared
+    one, two = (torch.load(tmp_path / f"batch-{rank}.pt") for rank in (0, 1))
+    os.environ["REWARD_CALLS"] = str(tmp_path / "calls-single.jsonl")
+    single = _online_dataset(tmp_path, tokenizer, G=3, reward_funcs=["reward_fns:logged_length"])
+    it = iter(single)
+    want = [(r.rewards, r.advantages) for r in (next(it)[0]["rollouts"] for _ in range(2))]
+    for got in (one, two):
+        for (rewards, adv), (want_rewards, want_adv) in zip(got, want):
+            assert torch.equal(rewards, want_rewards) and torch.equal(adv, want_adv)
+    assert sorted(calls) == sorted(map(json.loads, (tmp_path / "calls-single.jsonl").read_text().splitlines()))
+
+
+# --- dynamic sampling (filter_groups) ---------------------------------------------------------------
+
+FILTER = dict(reward_funcs=["reward_fns:equal_on_even_target"], filter_groups=True)
+
+
+def expected_batches(n_batches, *, n_prompts=6, K=2, G=2, seed=0, cap=10):
+    """Independently of the dataset: walk the prompt stream round by round, reward each group as the stand-in sampler
+    and reward_fns.equal_on_even_target would, keep the first K groups whose rewards differ.
+    Returns per batch (prompt ids kept, groups dropped, extra rounds)."""
+    from plugin.data.batch import GroupStream
+
+    stream, pos, out = GroupStream(n_prompts, K, seed), 0, []
+    for b in range(n_batches):
+        kept, dropped, rounds = [], [], 0
+        while len(kept) < K and rounds < cap:
+            for i, prompt in enumerate(stream.groups(pos, K)):
+                lengths = [sample_key(seed, b, rounds * K + i, m) % 3 + 2 for m in range(G)]
+                rewards = [1.0] * G if prompt % 2 == 0 else lengths
+                (kept if len(set(rewards)) > 1 else dropped).append(int(prompt))
+            pos, rounds = pos + K, rounds + 1
+        out.append((kept[:K], len(dropped), rounds - 1))
+    return out
+
+
+def _prompts_of(inputs):
+    return [int(x) - 100 for x in inputs["input"][::2, 1]]  # prompt ids [1, 100 + i], one group per microbatch
+
+
+def test_filter_groups_keeps_groups_whose_rewards_differ(tmp_path, tokenizer):
+    ds = _online_dataset(tmp_path, tokenizer, **FILTER)
+    it = iter(ds)
+    want = expected_batches(4)
+    assert sum(d for _, d, _ in want) > 0 and sum(r for _, _, r in want) > 0  # the walk drops and resamples
+    for b, (prompts, dropped, extra) in enumerate(want):
+        batch = [next(it)[0] for _ in range(2)]
+        assert [p for inputs in batch for p in _prompts_of(inputs)] == prompts, b
+        for inputs in batch:
+            r = inputs["rollouts"]
+            assert r.rewards[0] != r.rewards[1] and (r.advantages != 0).all()
+        figures = ds.stats.take()
+        assert figures["online/groups_dropped"] == dropped and figures["online/extra_rounds"] == extra, b
+
+
+def test_filter_groups_cap_fills_the_batch_and_says_so(tmp_path, tokenizer):
+    ds = _online_dataset(tmp_path, tokenizer, reward_funcs=["reward_fns:constant"], filter_groups=True,
+                         max_num_gen_batches=3)
+    it = iter(ds)
+    batch = [next(it)[0] for _ in range(2)]
+    assert ds.stream_pos == 3 * 2 and ds.sampler.calls == 3  # three rounds of K = 2 prompts
+    assert all((inputs["rollouts"].advantages == 0).all() for inputs in batch)  # filled with equal-reward groups
+    figures = ds.stats.take()
+    assert figures["online/extra_rounds"] == 2 and figures["online/groups_dropped"] == 6 - 2
+
+
+@pytest.mark.parametrize("stop_after", [1, 2, 3, 5])
+def test_filter_groups_resume_continues_the_same_stream(tmp_path, tokenizer, stop_after):
+    def run(ds, n):
+        it = iter(ds)
+        return [next(it)[0]["input"].clone() for _ in range(n)]
+
+    straight = run(_online_dataset(tmp_path, tokenizer, mu=2, **FILTER), 12)
+    ds = _online_dataset(tmp_path, tokenizer, mu=2, **FILTER)
+    head = run(ds, stop_after)
+    resumed = _online_dataset(tmp_path, tokenizer, mu=2, **FILTER)
+    resumed.load_state_dict(ds.state_dict())
+    tail = run(resumed, 12 - stop_after)
+    assert all(torch.equal(x, y) for x, y in zip(head + tail, straight))
+    assert ds.state_dict()["stream_pos"] > 2  # batch 0 alone took more than its K = 2 stream positions
+
+
+def _filter_layouts(rank, world_size, tmp):
+    """Batch 0 and 1 on two DP ranks, then on two TP peers: each rank's microbatches' inputs."""
+    import torch.distributed as dist
+
+    tmp = Path(tmp)
+    tok = HuggingFaceTokenizer(str(REPO / "plugin/assets/tokenizer"))
+    out = {}
+    for layout in ("dp2", "tp2"):
+        folder = tmp / f"{layout}-{rank}"
+        folder.mkdir()
+        if layout == "dp2":  # one group per rank and step: K = 2 as with one rank and 2 microbatches
+            ds = _online_dataset(folder, tok, grad_accum=1, dp=(rank, 2), **FILTER)
+            ds.dp_group = dist.group.WORLD
+        else:
+            ds = _online_dataset(folder, tok, **FILTER)
+            ds.tp_group = dist.group.WORLD
+        it = iter(ds)
+        out[layout] = [next(it)[0]["input"] for _ in range(2 if layout == "dp2" else 4)]
+    torch.save(out, tmp / f"rank{rank}.pt")
+
+
+def test_filter_groups_batches_do_not_depend_on_the_layout(tmp_path, tokenizer):
+    from conftest import run_ranks
+
+    run_ranks(2, _filter_layouts, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    ds = _online_dataset(tmp_path, tokenizer, **FILTER)
+    it = iter(ds)
+    one_rank = [next(it)[0]["input"] for _ in range(4)]  # batches 0 and 1, 2 microbatches each
+    # DP: batch b's position p is rank p's microbatch of that batch
+    dp = [ranks[p]["dp2"][b] for b in range(2) for p in range(2)]
+    assert all(torch.equal(x, y) for x, y in zip(dp, one_rank))
+    for r in (0, 1):
+        assert all(torch.equal(x, y) for x, y in zip(ranks[r]["tp2"], one_rank))
+
+
+# --- TRL's ready-made rewards -------------------------------------------------------------------------
+
+def test_trls_soft_overlong_punishment_rewards_the_batch(tmp_path, tokenizer):
+    """trl.rewards.get_soft_overlong_punishment (or its copy without TRL) named in reward_funcs as it is."""
+    import reward_fns
+
+    print("TRL's own" if reward_fns.get_soft_overlong_punishment.__module__.startswith("trl") else "the copy")
+    ds = _online_dataset(tmp_path, tokenizer, G=4, reward_funcs=["reward_fns:short_soft_overlong"])
+    it = iter(ds)
+    seen = set()
+    for inputs, labels in (next(it) for _ in range(4)):
+        lengths = (labels != IGNORE_INDEX).sum(1).tolist()  # the stand-in sampler's: 2, 3 or 4, EOS included
+        seen.update(lengths)
+        # DAPO's eq. 13 with L_max = 4, L_cache = 2: 0 up to 2 tokens, then -1/2 per token over
+        assert inputs["rollouts"].rewards.tolist() == [{2: 0.0, 3: -0.5, 4: -1.0}[n] for n in lengths]
+    assert seen == {2, 3, 4}
+    assert "online/reward/short_soft_overlong_mean" in ds.stats.take()
+
+
+def test_the_copy_of_trls_soft_overlong_punishment_is_trls():
+    trl_rewards = pytest.importorskip("trl.rewards", reason="TRL is not installed: the copy in tests/reward_fns.py "
+                                                            "stands in for it")
+    import reward_fns
+
+    ids = [[1] * n for n in range(12)]
+    for max_len, cache in [(6, 3), (4, 2), (10, 1)]:
+        assert reward_fns.soft_overlong_copy(max_len, cache)(completion_ids=ids) == \
+            trl_rewards.get_soft_overlong_punishment(max_len, cache)(completion_ids=ids)
+
+
+# --- the sampler's log-probs as behaviour log-probs -----------------------------------------------------
+
+def test_sampler_logprobs_are_every_passs_behaviour_logprobs(tmp_path, tokenizer):
+    ds = _online_dataset(tmp_path, tokenizer, mu=2, behavior_logprobs="sampler")
+    it = iter(ds)
+    for iteration in range(2):
+        for _ in range(2):
+            inputs, labels = next(it)
+            r = inputs["rollouts"]
+            completion = labels != IGNORE_INDEX
+            # the stand-in sampler's log-prob is -0.5 per token: the loss's l_old there, NaN (on-policy) elsewhere
+            assert r.old_logprobs[completion].eq(-0.5).all() and r.old_logprobs[~completion].isnan().all()
+            assert (r.sampler_logprobs is not None) == (iteration == 0)  # the mismatch metric, once per batch
+    assert ds.policy.calls == 0  # no pre-update pass: the replays need none
+
+
+def test_the_loss_truncates_the_ratio_to_the_sampler():
+    """What the loss does with those rollouts: r = min(exp(l - l_sampler), behavior_ratio_cap), then clipped."""
+    from plugin.model.policy import PolicyOutput
+    from plugin.scoring.loss import build_grpo_loss
+
+    cfg = parse_config("--grpo.behavior_ratio_cap", "1.5", "--grpo.beta", "0", "--grpo.clip_high", "10")
+    lp = torch.tensor([[-1.0, -0.2, -3.0, -0.5]], dtype=torch.float64, requires_grad=True)
+    sampler = torch.tensor([[float("nan"), -1.0, -2.9, -0.5]], dtype=torch.float64)
+    labels = torch.tensor([[IGNORE_INDEX, 5, 6, 7]])
+    one = torch.ones(1, dtype=torch.float64)
+    pred = PolicyOutput(lp, torch.zeros_like(lp), None, sampler, one, one, one, sampler)
+    loss = build_grpo_loss(cfg)(pred, labels)
+    ratios = [min(math.exp(-0.2 + 1.0), 1.5), math.exp(-3.0 + 2.9), 1.0]  # A = 1: -sum of the ratios
+    assert loss.item() == pytest.approx(-sum(ratios), rel=1e-12)

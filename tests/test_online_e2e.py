@@ -166,3 +166,21 @@ def test_evaluation_splits_prompts_over_fsdp_ranks_and_logs_eval_figures(tmp_pat
         assert tags["eval/reward/even_ids_mean"][step] == pytest.approx(sum(rewards) / 10, rel=1e-6)
         full = sum(r["rewards"]["even_ids"] >= 1 for r in rows) / 10
         assert tags["eval/full_reward_share"][step] == pytest.approx(full)
+
+
+def test_variants_train_together_with_trls_soft_overlong_reward(tmp_path, seed_checkpoint, prompts):
+    """TRL's soft overlong punishment (tests/reward_fns.py: TRL's own, or its copy) with the issue-19 variants on:
+    dynamic sampling, GSPO's sequence ratio in the fused pass, two steps per batch. (mask_truncated_completions is
+    tested in tests/test_online.py: the random debug model rarely samples EOS, so it would mask every completion.)"""
+    launch(tmp_path, seed_checkpoint, prompts, 1, 2, "--parallelism.tensor_parallel_degree", "1",
+           "--training.local_batch_size", "32", "--online.reward_funcs", "reward_fns:soft_overlong,reward_fns:even_ids",
+           "--online.filter_groups",
+           "--grpo.importance_sampling_level", "sequence", "--grpo.fused_policy_pass", "--online.num_iterations", "2")
+    tags = scalars_by_step(tmp_path)
+    assert "online/reward/soft_overlong_mean" in tags and tags["online/groups_dropped"][1] >= 0
+    assert tags["online/extra_rounds"][1] >= 0
+    assert tags["grpo/ratio_mean"][1] == 1.0 and tags["grpo/ratio_mean"][2] != 1.0  # the replay's sequence ratios
+    rows = [json.loads(line) for line in (tmp_path / "completions" / "batch-000000-dp0.jsonl").read_text().splitlines()]
+    assert len(rows) == 32 and all(r["rewards"]["soft_overlong"] <= 0 for r in rows)
+    groups = [[r["reward"] for r in rows[i : i + 4]] for i in range(0, 32, 4)]
+    assert all(len(set(g)) > 1 for g in groups)  # no equal-reward group left in the batch

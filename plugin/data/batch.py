@@ -67,17 +67,23 @@ def advantages(rewards: torch.Tensor, group_size: int, norm: str, eps: float) ->
     return centered.flatten().float()
 
 
-def loss_weights(completion_lens: torch.Tensor, aggregation: str, horizon: int) -> torch.Tensor:
+def loss_weights(completion_lens: torch.Tensor, aggregation: str, horizon: int,
+                 keep: torch.Tensor | None = None) -> torch.Tensor:
     """Per-completion weights w such that sum(w * token losses) / (global completion tokens) aggregates as asked.
 
     torchtitan divides every loss by the global number of valid tokens; the weights turn that
-    token mean into the other modes. `completion_lens` covers the whole global batch.
+    token mean into the other modes. `completion_lens` covers the whole global batch. A completion
+    that `keep` [N] bool leaves out of the loss (mask_truncated_completions) has no tokens, as with
+    TRL's zeroed completion mask, but still counts among the N completions the seq modes average over.
     """
-    n, tokens = completion_lens.numel(), completion_lens.sum().double()
+    lens = completion_lens.double()
+    if keep is not None:
+        lens = torch.where(keep, lens, 0.0)
+    n, tokens = lens.numel(), lens.sum()
     if aggregation == "token_mean":
         w = torch.ones(n, dtype=torch.float64)
     elif aggregation == "seq_mean_token_mean":  # mean over completions of each one's token mean
-        w = tokens / (n * completion_lens.double())
+        w = torch.where(lens > 0, tokens / (n * lens.clamp(min=1)), 0.0)
     elif aggregation == "seq_mean_token_sum":  # mean over completions of each one's token sum
         w = torch.full((n,), (tokens / n).item(), dtype=torch.float64)
     else:  # fixed_horizon (Dr. GRPO): token sum / (completions * horizon)
@@ -131,8 +137,11 @@ class GroupStream:
 
     def step_groups(self, step: int) -> np.ndarray:
         """The group ids of global batch `step`."""
-        k, n = self.groups_per_step, self.num_groups
-        start, end, out = step * k, (step + 1) * k, []
+        return self.groups(step * self.groups_per_step, self.groups_per_step)
+
+    def groups(self, start: int, count: int) -> np.ndarray:
+        """The group ids at stream positions [start, start + count) (online dynamic sampling draws past a step's)."""
+        end, n, out = start + count, self.num_groups, []
         while start < end:
             epoch, offset = divmod(start, n)
             out.append(self.epoch_order(epoch)[offset : offset + end - start])
@@ -141,8 +150,12 @@ class GroupStream:
 
     def epoch_starting(self, step: int) -> int | None:
         """The epoch that starts within global batch `step`, if one does."""
-        k, n = self.groups_per_step, self.num_groups
-        return (step * k) // n if (step * k) // n != (step * k - 1) // n else None
+        return self.epoch_starting_at(step * self.groups_per_step, self.groups_per_step)
+
+    def epoch_starting_at(self, start: int, count: int) -> int | None:
+        """The epoch that starts within stream positions [start, start + count), if one does."""
+        n = self.num_groups
+        return (start - 1) // n + 1 if (start + count - 1) // n != (start - 1) // n else None
 
 
 class Collate:
@@ -153,12 +166,20 @@ class Collate:
         # online mode: a completion's log-probs are the sampler's, a metric; in a file, the behaviour policy's
         self.sampled = sampled
 
-    def __call__(self, rewards: torch.Tensor, completion_lens: torch.Tensor, rows: list[int], batch: list[Completion]):
+    def __call__(self, rewards: torch.Tensor, completion_lens: torch.Tensor, rows: list[int], batch: list[Completion],
+                 keep: torch.Tensor | None = None):
         """`rewards`, `completion_lens`: [N], every completion of the step, group-major;
-        `rows`: this microbatch's positions among them; `batch`: those completions."""
+        `rows`: this microbatch's positions among them; `batch`: those completions; `keep`: [N] bool,
+        False for a completion left out of the loss (its labels are all IGNORE_INDEX), None: all kept."""
         cfg = self.cfg
+        # every completion, kept or not, counts in its group's mean and std (TRL's convention)
         adv = advantages(rewards, self.group_size, cfg.advantage_norm, cfg.advantage_eps)
-        weights = loss_weights(completion_lens, cfg.loss_aggregation, cfg.horizon or self.seq_len)
+        if keep is not None and not keep.any():
+            # nothing left to train on, where TRL's loss is 0: torchtitan would divide by 0 tokens, so the tokens
+            # stay, weighted 0 (no update; the metrics still see them)
+            keep, weights = None, torch.zeros(len(completion_lens))
+        else:
+            weights = loss_weights(completion_lens, cfg.loss_aggregation, cfg.horizon or self.seq_len, keep)
         n = len(batch)
         inputs = torch.full((n, self.seq_len), self.pad_id, dtype=torch.long)
         labels = torch.full((n, self.seq_len), IGNORE_INDEX, dtype=torch.long)
@@ -171,7 +192,8 @@ class Collate:
             seq = torch.tensor(c.tokens, dtype=torch.long)
             inputs[i, : len(seq) - 1] = seq[:-1]
             # position t predicts token t+1: completion targets start at prompt_len - 1
-            labels[i, c.prompt_len - 1 : len(seq) - 1] = seq[c.prompt_len :]
+            if keep is None or keep[rows[i]]:
+                labels[i, c.prompt_len - 1 : len(seq) - 1] = seq[c.prompt_len :]
             if c.logprobs:
                 old_logprobs[i, c.prompt_len - 1 : len(seq) - 1] = torch.tensor(c.logprobs)
             if ref_logprobs is not None:

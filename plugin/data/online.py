@@ -36,7 +36,7 @@ from torch.utils.data import IterableDataset
 from torchtitan.tools.logging import logger
 
 from plugin.data.batch import GroupStream, Rollouts
-from plugin.data.rewards import load_reward_fns, score
+from plugin.data.rewards import RewardError, load_reward_fns, score
 from plugin.data.rollouts import BadRow, Completion, JsonlFile, ParquetFile, RolloutError, report, rollout_format
 from plugin.generation.sampler import build_sampler, max_prompt_tokens
 from plugin.job import GRPOJob
@@ -81,7 +81,7 @@ def load_prompts(path: str, encoder, tokenizer, *, fmt: str, max_new_tokens: int
         logger.warning(f"{path}: {skipped} prompt rows skipped ([rollout_data] on_error = \"skip\"); first problems:\n  "
                        + "\n  ".join(problems))
     if not prompts:
-        raise RolloutError(f"{path}: no valid prompt rows" + (f"; first problems:\n  " + "\n  ".join(problems)
+        raise RolloutError(f"{path}: no valid prompt rows" + ("; first problems:\n  " + "\n  ".join(problems)
                                                                 if problems else ""))
     return prompts, skipped
 
@@ -90,6 +90,22 @@ def reward_completions(prompts: list[Prompt], texts: list[str]) -> list:
     """What reward functions get as completions, as in TRL: the text, or after a conversational prompt
     (a message list) the assistant's reply as a one-message list."""
     return [[{"role": "assistant", "content": t}] if isinstance(p.text, list) else t for p, t in zip(prompts, texts)]
+@dataclass
+class SampledGroup:
+    """One prompt's G completions and their figures; the completions are absent on ranks that do not train on them."""
+
+    prompt: Prompt | None
+    rewards: list[float]  # the weighted total per completion
+    lengths: list[int]
+    truncated: list[bool]
+    fn_rewards: list[list[float]]  # per reward function, per completion; NaN where it returned None
+    completions: list[list[int]] | None = None
+    logprobs: list[list[float]] | None = None  # the sampler's
+    texts: list[str] | None = None
+
+    def figures(self) -> "SampledGroup":
+        """The group without its prompt and completions: what other DP ranks need of it without filter_groups."""
+        return SampledGroup(None, self.rewards, self.lengths, self.truncated, self.fn_rewards)
 
 
 def sample_key(seed: int, batch: int, position: int, member: int) -> int:
@@ -111,10 +127,12 @@ class OnlineDataset(IterableDataset, Stateful):
         self.reward_fns, self.tokenizer, self.pad_id, self.stop_ids = reward_fns, tokenizer, pad_id, stop_ids
         self.temperature, self.dump_folder, self.job, self.stats = temperature, dump_folder, job, stats
         self.stream = GroupStream(len(prompts), plan.groups_per_step, seed)
+        # the next batch's first stream position: K per batch, more where filter_groups sampled extra rounds
+        self.stream_pos = 0
         # position: the next (batch, iteration, microbatch) to yield; mid-batch, its microbatches
         self.batch_index, self.iteration, self.microbatch = 0, 0, 0
         self.batch: list[dict] | None = None
-        self.policy, self.sampler, self.dp_group, self.writes_log = None, None, None, True
+        self.policy, self.sampler, self.dp_group, self.tp_group, self.writes_log = None, None, None, None, True
 
     def _start(self) -> None:
         """The parallelized policy (built after this dataset) to sample from, its sampler and the DP group."""
@@ -126,6 +144,8 @@ class OnlineDataset(IterableDataset, Stateful):
             self.dp_group = parallel_dims.get_optional_mesh("batch").get_group()
         tp = parallel_dims.tp if parallel_dims.tp_enabled else 1
         self.writes_log = tp == 1 or parallel_dims.get_optional_mesh("tp").get_local_rank() == 0  # TP peers agree
+        if tp > 1:  # TP peers sample the same completions: each scores a share of them
+            self.tp_group = parallel_dims.get_optional_mesh("tp").get_group()
         self.sampler = build_sampler(self.policy, kv_cache=self.cfg.kv_cache, max_new_tokens=self.cfg.max_new_tokens,
                                      stop_ids=self.stop_ids, temperature=self.temperature, pad_id=self.pad_id)
 
@@ -143,62 +163,75 @@ class OnlineDataset(IterableDataset, Stateful):
             record = self.batch[self.microbatch]
             r = record["rollouts"]
             # the first pass is on-policy and measures the sampler's log-probs; replays use the batch's old log-probs
-            old, sampler = (None, r.sampler_logprobs) if self.iteration == 0 else (record["old_logprobs"], None)
+            old, sampler = (None, r.sampler_logprobs) if self.iteration == 0 else (record.get("old_logprobs"), None)
+            if self.cfg.behavior_logprobs == "sampler":  # every pass's ratio is to the sampler that drew the batch
+                old = r.sampler_logprobs
             rollouts = Rollouts(r.advantages, r.rewards, r.loss_weights, old, sampler)
             self.microbatch += 1
             yield {"input": record["input"], "labels": record["labels"], "rollouts": rollouts}, record["labels"]
 
     @torch.no_grad()
     def sample_batch(self, index: int) -> list[dict]:
-        """Sample, reward and cut global batch `index`: this rank's microbatches."""
+        """Sample, reward and cut global batch `index`: this rank's microbatches.
+
+        With [online] filter_groups, a group whose rewards are all equal (no advantage) is dropped
+        and whole rounds of K more prompts are sampled from the stream until K groups are kept.
+        """
         if self.sampler is None:
             self._start()
-        plan, G = self.plan, self.plan.group_size
-        if (epoch := self.stream.epoch_starting(index)) is not None:
-            logger.info(f"Online prompts: epoch {epoch} starts at batch {index}")
-        prompt_ids = self.stream.step_groups(index)
+        plan, G, K, cfg = self.plan, self.plan.group_size, self.plan.groups_per_step, self.cfg
+        kept, dropped, sampled, gen_time, rounds = [], [], [], 0.0, 0
+        while len(kept) < K:
+            if cfg.filter_groups and cfg.max_num_gen_batches and rounds == cfg.max_num_gen_batches:
+                logger.warning(
+                    f"Online batch {index}: {len(kept)} of {K} groups have rewards that differ after "
+                    f"[online] max_num_gen_batches = {cfg.max_num_gen_batches} generation rounds; the batch is filled "
+                    f"with {K - len(kept)} equal-reward groups (no advantage, only the KL term trains on them). "
+                    "Easier prompts, more completions per prompt or a larger cap avoid this")
+                need = K - len(kept)
+                kept, dropped = kept + dropped[:need], dropped[need:]
+                break
+            if (epoch := self.stream.epoch_starting_at(self.stream_pos, K)) is not None:
+                logger.info(f"Online prompts: epoch {epoch} starts at batch {index}")
+            groups, seconds = self._sample_round(index, rounds, self.stream.groups(self.stream_pos, K))
+            self.stream_pos, rounds, gen_time = self.stream_pos + K, rounds + 1, gen_time + seconds
+            sampled += groups
+            if not cfg.filter_groups:
+                kept = groups
+                break
+            for g in groups:
+                (kept if len(set(g.rewards)) > 1 else dropped).append(g)
+        final = kept[:K]  # a round's surplus is left unused, as verl does
+
+        self.stats.record(gen_time, [n for g in sampled for n in g.lengths], [t for g in sampled for t in g.truncated],
+                          [[r for g in sampled for r in g.fn_rewards[k]] for k in range(len(self.reward_fns))])
+        if cfg.filter_groups:
+            self.stats.record_filter(len(dropped), rounds - 1)
         positions = [i for j in range(plan.grad_accum) for i in plan.microbatch(j)]  # my groups, in batch order
-        mine = [self.prompts[prompt_ids[i]] for i in positions for _ in range(G)]
-        keys = [sample_key(self.seed, index, i, m) for i in positions for m in range(G)]
+        if cfg.log_completions and self.writes_log:
+            self._log(index, [final[i] for i in positions])
 
-        start = time.perf_counter()
-        samples = self.sampler.generate([p.ids for p in mine], keys)
-        gen_time = time.perf_counter() - start
-
-        texts = [self.tokenizer.decode(c[:-1] if c and c[-1] in self.stop_ids else c) for c in samples.completions]
-        columns = {k: [p.columns.get(k) for p in mine] for k in dict.fromkeys(k for p in mine for k in p.columns)}
-        totals, per_fn = score(self.reward_fns, [p.text for p in mine], reward_completions(mine, texts),
-                               samples.completions, columns, [p.where for p in mine])
-        lengths = [len(c) for c in samples.completions]
-
-        # advantages (batch_std) and loss weights need every DP rank's rewards and lengths
-        part = (positions, gen_time, [totals, lengths, samples.truncated, *per_fn])
-        gathered = [part]
-        if self.dp_group is not None:
-            gathered = [None] * dist.get_world_size(self.dp_group)
-            dist.all_gather_object(gathered, part, group=self.dp_group)
-        n = plan.groups_per_step * G
-        # reward, length, truncated and each function's reward of every completion, in batch order
-        values = [[0.0] * n, [0] * n, [False] * n, *([0.0] * n for _ in self.reward_fns)]
-        for pos, _, rank_values in gathered:
-            for k, i in enumerate(pos):  # the rank's k-th group is the batch's i-th
-                for column, v in zip(values, rank_values):
-                    column[i * G : (i + 1) * G] = v[k * G : (k + 1) * G]
-        rewards, lens, truncated, *fn_rewards = values
-        self.stats.record(max(g[1] for g in gathered), lens, truncated, fn_rewards)
-        if self.cfg.log_completions and self.writes_log:
-            self._log(index, mine, texts, samples, totals, per_fn)
-
-        rewards_t, lens_t = torch.tensor(rewards, dtype=torch.float32), torch.tensor(lens, dtype=torch.long)
+        rewards = [r for g in final for r in g.rewards]
+        rewards_t = torch.tensor(rewards, dtype=torch.float32)
+        lens_t = torch.tensor([n for g in final for n in g.lengths], dtype=torch.long)
+        keep = None
+        if cfg.mask_truncated_completions:
+            keep = ~torch.tensor([t for g in final for t in g.truncated], dtype=torch.bool)
+            if not keep.any():
+                logger.warning(f"Online batch {index}: every completion reached [online] max_new_tokens = "
+                               f"{cfg.max_new_tokens} and mask_truncated_completions leaves none in the loss: the "
+                               "step makes no update (its loss is 0, as TRL's)")
         batch = []
         for j in range(plan.grad_accum):
             rows = plan.rows(j)
-            # `mine` is in batch order (`positions`), so microbatch j's completions are its j-th run of len(rows)
-            completions = [Completion(mine[s].ids + samples.completions[s], len(mine[s].ids), rewards[row],
-                                      samples.logprobs[s]) for s, row in enumerate(rows, start=j * len(rows))]
-            inputs, labels = self.collate(rewards_t, lens_t, rows, completions)
+            completions = []
+            for row in rows:
+                g, m = final[row // G], row % G
+                completions.append(Completion(g.prompt.ids + g.completions[m], len(g.prompt.ids), rewards[row],
+                                              g.logprobs[m]))
+            inputs, labels = self.collate(rewards_t, lens_t, rows, completions, keep)
             batch.append(dict(input=inputs["input"], labels=labels, rollouts=inputs["rollouts"]))
-        if self.cfg.num_iterations > 1:
+        if cfg.num_iterations > 1 and cfg.behavior_logprobs == "policy":
             # the replays' old log-probs: the policy's before any update from this batch
             device = next(self.policy.parameters()).device
             for record in batch:
@@ -206,21 +239,90 @@ class OnlineDataset(IterableDataset, Stateful):
                                                               record["labels"].to(device)).cpu()
         return batch
 
-    def _log(self, index: int, mine: list[Prompt], texts, samples, totals, per_fn) -> None:
+    def _sample_round(self, index: int, rnd: int, prompt_ids) -> tuple[list["SampledGroup"], float]:
+        """One generation round of K groups: this rank samples and scores its positions, and every rank gets every
+        group's rewards (advantages and loss weights are global), with filter_groups also their completions.
+
+        A completion's key names the batch, the round's place and the member, never the rank: 1 rank, TP and FSDP
+        draw the same completions. Returns the groups in stream order and the slowest rank's generation seconds.
+        """
+        plan, G, K = self.plan, self.plan.group_size, self.plan.groups_per_step
+        positions = [i for j in range(plan.grad_accum) for i in plan.microbatch(j)]  # my groups, in batch order
+        mine = [self.prompts[prompt_ids[i]] for i in positions for _ in range(G)]
+        keys = [sample_key(self.seed, index, rnd * K + i, m) for i in positions for m in range(G)]
+
+        start = time.perf_counter()
+        samples = self.sampler.generate([p.ids for p in mine], keys)
+        gen_time = time.perf_counter() - start
+
+        texts = [self.tokenizer.decode(c[:-1] if c and c[-1] in self.stop_ids else c) for c in samples.completions]
+        columns = {k: [p.columns.get(k) for p in mine] for k in dict.fromkeys(k for p in mine for k in p.columns)}
+        totals, per_fn = self._score([p.text for p in mine], reward_completions(mine, texts), samples.completions,
+                                     columns, [p.where for p in mine])
+        mine_groups = {}
+        for k, i in enumerate(positions):
+            rows = slice(k * G, (k + 1) * G)
+            mine_groups[i] = SampledGroup(
+                self.prompts[prompt_ids[i]], totals[rows], [len(c) for c in samples.completions[rows]],
+                samples.truncated[rows], [r[rows] for r in per_fn], samples.completions[rows], samples.logprobs[rows],
+                texts[rows])
+        groups = dict(mine_groups)
+        if self.dp_group is not None:
+            # the rewards of every group; with filter_groups a kept group may land on another rank: everything
+            share = {i: g if self.cfg.filter_groups else g.figures() for i, g in mine_groups.items()}
+            gathered = [None] * dist.get_world_size(self.dp_group)
+            dist.all_gather_object(gathered, (share, gen_time), group=self.dp_group)
+            for rank_groups, _ in gathered:
+                for i, g in rank_groups.items():
+                    groups.setdefault(i, g)
+            gen_time = max(t for _, t in gathered)
+        return [groups[i] for i in range(K)], gen_time
+
+    def _log(self, index: int, groups: list["SampledGroup"]) -> None:
         folder = Path(self.dump_folder) / "completions"
         folder.mkdir(parents=True, exist_ok=True)
         dp = dist.get_rank(self.dp_group) if self.dp_group is not None else 0
         with open(folder / f"batch-{index:06d}-dp{dp}.jsonl", "w") as f:
-            for s, p in enumerate(mine):
-                f.write(json.dumps(dict(
-                    prompt=p.text, where=p.where, completion=texts[s], completion_ids=samples.completions[s],
-                    truncated=samples.truncated[s], reward=totals[s],
-                    rewards={fn.name: (None if r[s] != r[s] else r[s]) for fn, r in zip(self.reward_fns, per_fn)},
-                )) + "\n")
+            for g in groups:
+                for m in range(len(g.rewards)):
+                    f.write(json.dumps(dict(
+                        prompt=g.prompt.text, where=g.prompt.where, completion=g.texts[m],
+                        completion_ids=g.completions[m], truncated=g.truncated[m], reward=g.rewards[m],
+                        rewards={fn.name: (None if r[m] != r[m] else r[m]) for fn, r in zip(self.reward_fns, g.fn_rewards)},
+                    )) + "\n")
+
+    def _score(self, prompts: list, completions: list, completion_ids: list[list[int]], columns: dict[str, list],
+               where: list[str]) -> tuple[list[float], list[list[float]]]:
+        """plugin.data.rewards.score, each completion's rewards run once in the job.
+
+        A reward with side effects (a sandbox, a judge, an API) must not run once per TP rank:
+        TP rank k scores the k-th contiguous share of the completions, and the shares are gathered.
+        A failure on any rank is raised on every rank, so none waits for the others.
+        """
+        if self.tp_group is None:
+            return score(self.reward_fns, prompts, completions, completion_ids, columns, where)
+        tp, rank, n = dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group), len(completions)
+        mine = slice(n * rank // tp, n * (rank + 1) // tp)
+        part, failure = None, None
+        try:
+            part = score(self.reward_fns, prompts[mine], completions[mine], completion_ids[mine],
+                         {k: v[mine] for k, v in columns.items()}, where[mine])
+        except Exception as e:
+            failure = e
+        parts = [None] * tp
+        dist.all_gather_object(parts, (part, failure and f"{type(failure).__name__}: {failure}"), group=self.tp_group)
+        if failure is not None:
+            raise failure
+        for _, peer_error in parts:
+            if peer_error is not None:
+                raise RewardError(f"on a tensor-parallel peer: {peer_error}")
+        totals = [v for p, _ in parts for v in p[0]]
+        per_fn = [[v for p, _ in parts for v in p[1][k]] for k in range(len(self.reward_fns))]
+        return totals, per_fn
 
     def state_dict(self) -> dict[str, Any]:
         state = dict(batch_index=self.batch_index, iteration=self.iteration, microbatch=self.microbatch,
-                     num_prompts=len(self.prompts))
+                     num_prompts=len(self.prompts), stream_pos=self.stream_pos)
         mid_batch = self.microbatch < self.plan.grad_accum or self.iteration + 1 < self.cfg.num_iterations
         if self.batch is not None and (self.iteration or self.microbatch) and mid_batch:
             state["batch"] = [dict(rec, rollouts=rec["rollouts"].to(torch.device("cpu"))) for rec in self.batch]
@@ -236,6 +338,9 @@ class OnlineDataset(IterableDataset, Stateful):
         self.batch_index, self.iteration, self.microbatch = (
             state_dict["batch_index"], state_dict["iteration"], state_dict["microbatch"])
         self.batch = state_dict.get("batch")
+        # a checkpoint of a version without filter_groups: batch b drew positions [b*K, (b+1)*K)
+        begun = bool(self.iteration or self.microbatch)
+        self.stream_pos = state_dict.get("stream_pos", (self.batch_index + begun) * self.plan.groups_per_step)
         for record in self.batch or []:  # earlier versions kept the replays' old log-probs in the rollouts
             record.setdefault("old_logprobs", record["rollouts"].old_logprobs)
 
@@ -265,12 +370,14 @@ def build_online_dataset(job_config, job: GRPOJob, tokenizer, encoder, batching)
     prompts, skipped = load_prompts(training.dataset_path, encoder, tokenizer, fmt=cfg.format,
                                     max_new_tokens=online.max_new_tokens, on_error=cfg.on_error)
     job.stats.skipped_rows = skipped
-    job.online_stats = OnlineStats([f.name for f in reward_fns])
+    job.online_stats = OnlineStats([f.name for f in reward_fns], online.filter_groups)
     plan, collate = batching(G, len(prompts), "prompts", sampled=True)
     logger.info(
         f"Online GRPO: {len(prompts)} prompts from {training.dataset_path}, {plan.groups_per_step} per batch, "
         f"{G} completions each, up to {online.max_new_tokens} new tokens (stop ids {stop_ids}), "
-        f"{online.num_iterations} optimizer step(s) per batch, rewards: "
+        f"{online.num_iterations} optimizer step(s) per batch"
+        + (f", equal-reward groups dropped (up to {online.max_num_gen_batches or 'unlimited'} generation rounds)"
+           if online.filter_groups else "") + ", rewards: "
         + ", ".join(f"{f.weight:g} * {f.key.split('= ', 1)[1]}" for f in reward_fns)
     )
     return OnlineDataset(prompts, plan, collate, job_config.debug.seed or 0, online, reward_fns, tokenizer,

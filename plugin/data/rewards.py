@@ -7,11 +7,16 @@ A function is called once per sampled batch:
 `prompts` and `completions` are text (a completion without its stop token), `completion_ids`
 the sampled ids (with it), and every other column of the prompt rows arrives as a keyword list
 of the same length. As in TRL, a conversational prompt (a list of {"role", "content"} messages)
-arrives as that list and its completion as `[{"role": "assistant", "content": text}]`. As in TRL, a function may return None for a completion it does not apply
-to; the reward is the weighted sum over the functions that apply.
+arrives as that list and its completion as `[{"role": "assistant", "content": text}]`. As in TRL, a
+function may return None for a completion it does not apply to; the reward is the weighted sum over
+the functions that apply. An async function (one that returns an awaitable: a judge model or a
+sandbox behind an API) is awaited together with the batch's other async ones, as TRL does, so their
+waits overlap.
 """
 
+import asyncio
 import importlib
+import inspect
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -60,13 +65,12 @@ def score(fns: list[RewardFn], prompts: list[str], completions: list[str], compl
     """
     n = len(completions)
     per_fn = []
-    for f in fns:
-        try:
-            values = f.fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-        except Exception as e:
+    results = _call_all(fns, dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns))
+    for f, values in zip(fns, results):
+        if isinstance(values, Exception):
             row = _first_failing_row(f, prompts, completions, completion_ids, columns)
             at = f"on the prompt at {where[row]}" if row is not None else f"on the batch of prompts at {_span(where)}"
-            raise RewardError(f"{f.key} raised {at}: {type(e).__name__}: {e}") from e
+            raise RewardError(f"{f.key} raised {at}: {type(values).__name__}: {values}") from values
         if not isinstance(values, (list, tuple)) or len(values) != n:
             got = f"{len(values)} rewards" if isinstance(values, (list, tuple)) else f"a {type(values).__name__}"
             raise RewardError(f"{f.key} returned {got} for {n} completions (prompts at {_span(where)}); "
@@ -79,6 +83,24 @@ def score(fns: list[RewardFn], prompts: list[str], completions: list[str], compl
             raise RewardError(f"every reward function returned None for completion {i} of the prompt at {where[i]}")
         totals.append(sum(w * r for w, r in applied))
     return totals, per_fn
+
+
+def _call_all(fns: list[RewardFn], kwargs: dict) -> list:
+    """Each function's return value, or the exception it raised; the awaitables are awaited together."""
+    results = []
+    for f in fns:
+        try:
+            results.append(f.fn(**kwargs))
+        except Exception as e:
+            results.append(e)
+    pending = [i for i, v in enumerate(results) if inspect.isawaitable(v)]
+    if pending:
+        async def gather():
+            return await asyncio.gather(*(results[i] for i in pending), return_exceptions=True)
+
+        for i, v in zip(pending, asyncio.run(gather())):
+            results[i] = v
+    return results
 
 
 def _reward(f: RewardFn, v, i: int, where: str) -> float:
@@ -95,11 +117,17 @@ def _first_failing_row(f: RewardFn, prompts, completions, completion_ids, column
     """The first completion on which the function raises when called on it alone (None: only the batch fails)."""
     for i in range(len(completions)):
         try:
-            f.fn(prompts=prompts[i : i + 1], completions=completions[i : i + 1],
-                 completion_ids=completion_ids[i : i + 1], **{k: v[i : i + 1] for k, v in columns.items()})
+            values = f.fn(prompts=prompts[i : i + 1], completions=completions[i : i + 1],
+                          completion_ids=completion_ids[i : i + 1], **{k: v[i : i + 1] for k, v in columns.items()})
+            if inspect.isawaitable(values):
+                asyncio.run(_awaited(values))
         except Exception:
             return i
     return None
+
+
+async def _awaited(awaitable):
+    return await awaitable
 
 
 def _span(where: list[str]) -> str:

@@ -16,7 +16,7 @@ noise, so they pick the same tokens.
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Callable, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import torch
 import torch.distributed as dist

@@ -19,7 +19,7 @@ Adding a family is one `FAMILIES` entry and its TrainSpec registration (plugin/_
 """
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -66,13 +66,16 @@ class GRPOModel:
         # that the policy pass differentiates chunk by chunk; None: log-probs go to the loss
         self.token_terms: Callable | None = None
         self.head_reshard_after_forward = False  # the FSDP policy of the head's group, see head_comms_once
+        # [grpo] importance_sampling_level = "sequence": the fused pass's terms need each completion's mean log-ratio
+        self.sequence_ratio = False
 
     def configure(self, scoring: Scoring, stats: GRPOStats | None = None, reference: Reference | None = None,
-                  token_terms: Callable | None = None, head_reshard_after_forward: bool = False) -> None:
+                  token_terms: Callable | None = None, head_reshard_after_forward: bool = False,
+                  sequence_ratio: bool = False) -> None:
         """What the parallelize function gives the parallelized model, once: how it scores, where its statistics
-        go, its reference and, for the fused pass, the loss's per-token terms."""
+        go, its reference and, for the fused pass, the loss's per-token terms and their ratio's level."""
         self.scoring, self.stats, self.reference, self.token_terms = scoring, stats, reference, token_terms
-        self.head_reshard_after_forward = head_reshard_after_forward
+        self.head_reshard_after_forward, self.sequence_ratio = head_reshard_after_forward, sequence_ratio
         if isinstance(self, FSDPModule):
             # the methods called from outside forward run FSDP's root hooks as forward does
             for method in ("hidden_states", "_logprobs"):
@@ -144,16 +147,35 @@ class GRPOModel:
         old = None if r.old_logprobs is None else r.old_logprobs.view(-1)
         ref = None if ref_logprobs is None else ref_logprobs.view(-1)
 
+        seq = {}  # the sequence level's per-completion mean log-ratio, known before the first chunk
+
         def token_loss(logprobs, entropy, index):  # [N] tokens at `index` of the flattened [B, T]
             row = index // T
             # as grpo_loss: behaviour log-probs where the rollouts have them, on-policy elsewhere
             old_c = logprobs.detach() if old is None else torch.where(old[index].isnan(), logprobs.detach(), old[index])
             terms = self.token_terms(logprobs[:, None], old_c[:, None], None if ref is None else ref[index][:, None],
-                                     r.advantages[row], r.loss_weights[row], mask[index][:, None], entropy[:, None])
+                                     r.advantages[row], r.loss_weights[row], mask[index][:, None], entropy[:, None],
+                                     **{k: v[row] for k, v in seq.items()})
             return terms.loss.sum()
 
         with head_weight(self) as weight:
+            if self.sequence_ratio:
+                seq["seq_log_ratio"] = self._mean_log_ratio(hidden, labels, weight, r.old_logprobs)
             return fused_chunked_loss(hidden, labels, self.norm, weight, token_loss, self.scoring)
+
+    def _mean_log_ratio(self, hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor,
+                        old_logprobs: torch.Tensor | None) -> torch.Tensor:
+        """[B] each completion's mean of l - l_old over its tokens; on-policy 0, else from a no-grad pass over the head.
+
+        A chunk may hold part of a completion, so the fused pass takes the mean before its chunks:
+        one more pass of the head's vocab blocks (log-probs only), no trunk recompute.
+        """
+        mask = labels != IGNORE_INDEX
+        if old_logprobs is None:
+            return torch.zeros(labels.shape[0], device=labels.device)
+        logprobs = blocked_logprobs(hidden, labels, self.norm, weight, replace(self.scoring, with_entropy=False))[0]
+        log_ratio = torch.where(mask & ~old_logprobs.isnan(), logprobs - old_logprobs, 0.0)
+        return log_ratio.sum(-1) / mask.sum(-1).clamp(min=1)
 
     def to_empty(self, *, device, recurse: bool = True):
         super().to_empty(device=device, recurse=recurse)

@@ -149,13 +149,14 @@ class OnlineStats:
     every rank holds the same global values and nothing is reduced at log time.
     """
 
-    def __init__(self, reward_names: list[str]):
-        self.reward_names = reward_names
+    def __init__(self, reward_names: list[str], filter_groups: bool = False):
+        self.reward_names, self.filter_groups = reward_names, filter_groups
         self.since = time.perf_counter()  # wall time since the last log: the share's denominator
         self._clear()
 
     def _clear(self) -> None:
         self.batches, self.gen_time, self.tokens, self.seqs, self.truncated, self.len_max = 0, 0.0, 0, 0, 0, 0
+        self.groups_dropped, self.extra_rounds = 0, 0
         self.rewards: list[list[float]] = [[] for _ in self.reward_names]
 
     def record(self, gen_time: float, lengths: list[int], truncated: list[bool], rewards: list[list[float]]) -> None:
@@ -168,6 +169,11 @@ class OnlineStats:
         self.len_max = max([self.len_max, *lengths])
         for acc, values in zip(self.rewards, rewards):
             acc.extend(v for v in values if v == v)  # a function's None (NaN) rewards do not apply
+
+    def record_filter(self, groups_dropped: int, extra_rounds: int) -> None:
+        """[online] filter_groups: one batch's equal-reward groups left out, and its rounds beyond the first."""
+        self.groups_dropped += groups_dropped
+        self.extra_rounds += extra_rounds
 
     def take(self) -> dict[str, float]:
         now = time.perf_counter()
@@ -182,6 +188,9 @@ class OnlineStats:
             "online/completion_length_max": float(self.len_max),
             "online/truncated_fraction": self.truncated / self.seqs,
         }
+        if self.filter_groups:  # per sampled batch
+            out["online/groups_dropped"] = self.groups_dropped / self.batches
+            out["online/extra_rounds"] = self.extra_rounds / self.batches
         for name, values in zip(self.reward_names, self.rewards):
             if values:
                 t = torch.tensor(values, dtype=torch.float64)

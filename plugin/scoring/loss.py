@@ -62,10 +62,26 @@ def grpo_token_terms(
     kl_log_ratio_clamp: float = 0.0,
     kl_max: float = 0.0,
     bias_correction_kl: bool = False,
+    importance_sampling_level: str = "token",
+    seq_log_ratio: torch.Tensor | None = None,
 ) -> TokenTerms:
-    """Per-token GRPO terms; `advantages` and `weights` are [B] (one per completion), the rest [B, T]."""
+    """Per-token GRPO terms; `advantages` and `weights` are [B] (one per completion), the rest [B, T].
+
+    At the "sequence" level (GSPO) a completion's ratio is exp(mean over its masked tokens of l - l_old).
+    `seq_log_ratio` [B] gives that mean where the rows are pieces of completions (the fused pass's
+    chunks); None computes it from these [B, T] rows.
+    """
     adv = advantages.to(logprobs.dtype)[:, None]  # [B, 1]
-    raw_ratio = torch.exp(logprobs - old_logprobs)
+    log_ratio = logprobs - old_logprobs
+    if importance_sampling_level == "sequence":
+        if seq_log_ratio is None:
+            m = mask.to(logprobs.dtype)
+            seq_log_ratio = (log_ratio.detach() * m).sum(-1) / m.sum(-1).clamp(min=1)
+        # GSPO-token's form: the sequence's value, and d ratio / d l_t = ratio on every token t. Each token of a
+        # completion has the same weight and advantage, so the gradient summed over them is that of
+        # exp(mean(l - l_old)) (TRL's form, tests/test_loss.py), and each token's term needs no other token
+        log_ratio = seq_log_ratio.to(logprobs.dtype)[:, None] + (logprobs - logprobs.detach())
+    raw_ratio = torch.exp(log_ratio)
     # truncated importance sampling against the behaviour policy
     ratio = raw_ratio.clamp(max=ratio_cap) if ratio_cap > 0 else raw_ratio
     unclipped = ratio * adv
@@ -123,7 +139,7 @@ def token_terms_fn(job_config):
     cfg = job_config.grpo
     terms_fn = maybe_compiled(grpo_token_terms, compiles_loss(job_config), job_config.compile.backend)
     same_name = ("clip_low", "clip_high", "beta", "kl_estimator", "dual_clip", "entropy_coef", "kl_log_ratio_clamp",
-                 "kl_max")  # [grpo] keys named as grpo_token_terms' arguments
+                 "kl_max", "importance_sampling_level")  # [grpo] keys named as grpo_token_terms' arguments
     return partial(terms_fn, **{key: getattr(cfg, key) for key in same_name}, ratio_cap=cfg.behavior_ratio_cap,
                    bias_correction_kl=cfg.use_bias_correction_kl)
 
