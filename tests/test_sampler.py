@@ -5,6 +5,7 @@ with the same seed, so every layout holds the same weights. Stop ids are tokens 
 sampler draws part-way through some sequences, so some completions stop and some are truncated.
 """
 
+import math
 import random
 import statistics
 
@@ -15,7 +16,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from conftest import build_model, run_ranks
-from plugin.generation.sampler import KVCache, KVCacheSampler, NoCacheSampler, _mix, build_sampler, sample, uniforms
+from plugin.generation.sampler import (KVCache, KVCacheSampler, NoCacheSampler, _mix, build_sampler, gumbel, row_seeds,
+                                      sample)
 
 SEQ_LEN = 48  # the RoPE table: [training] seq_len
 N = 12  # max_new_tokens
@@ -213,16 +215,29 @@ def test_mix_is_splitmix64():
     assert got == [splitmix64_finalizer(v) for v in values]
 
 
-def test_noise_is_a_function_of_key_and_token_index():
+def test_noise_is_a_function_of_key_token_index_and_vocab_id():
     keys = torch.tensor([5, 6, -3, 2**62], dtype=torch.int64)
-    u = uniforms(keys, 3, 1271)
-    assert u.shape == (4, 1271) and u.dtype == torch.float64 and 0 < u.min() and u.max() < 1
-    assert torch.equal(u, uniforms(keys, 3, 1271))
-    assert torch.equal(u[2:3], uniforms(keys[2:3], 3, 1271))  # the rest of the batch plays no part
-    assert torch.equal(u[:, :100], uniforms(keys, 3, 100))  # nor the vocab size
-    for other in (uniforms(keys, 4, 1271), uniforms(keys + 1, 3, 1271)):
-        assert (u != other).all()  # another token index or key: other draws throughout
-    assert len(set(u.flatten().tolist())) == u.numel()
+
+    def noise(keys, t, start, count):
+        return gumbel(row_seeds(keys, t), start, count)
+
+    g = noise(keys, 3, 0, 1271)
+    assert g.shape == (4, 1271) and g.dtype == torch.float32 and torch.isfinite(g).all()
+    assert torch.equal(g, noise(keys, 3, 0, 1271))
+    assert torch.equal(g[2:3], noise(keys[2:3], 3, 0, 1271))  # the rest of the batch plays no part
+    assert torch.equal(g[:, :100], noise(keys, 3, 0, 100))  # nor the vocab size
+    assert torch.equal(g[:, 700:], noise(keys, 3, 700, 571))  # a vocab shard draws the full vocabulary's noise
+    for other in (noise(keys, 4, 0, 1271), noise(keys + 1, 3, 0, 1271)):
+        assert (g != other).float().mean() > 0.999  # another token index or key: other draws (float32 may tie)
+
+
+def test_noise_is_gumbel():
+    """Mean (Euler's gamma) and variance (pi^2 / 6) of 2M draws, and the far tail the winners come from."""
+    g = gumbel(row_seeds(torch.arange(64), 0), 0, 1 << 15).double()
+    assert abs(g.mean().item() - 0.5772156649) < 5e-3
+    assert abs(g.var().item() - math.pi**2 / 6) < 1e-2
+    # P(g > x) = 1 - exp(-exp(-x)): at x = 8, 3.35e-4 of 2M draws, about 703
+    assert abs((g > 8).double().mean().item() / -math.expm1(-math.exp(-8)) - 1) < 0.15
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
