@@ -130,10 +130,16 @@ OUT_OF_RANGE = {
                             offload=""),
     "rollout_data": dict(format="", on_error="", chat_template="{other}"),
     "online": dict(enable="", num_generations=1, max_new_tokens=0, stop_token_ids=[-1], reward_funcs=["no_colon"],
-                   reward_weights=[float("nan")], num_iterations=0, kv_cache="", log_completions=""),
+                   reward_weights=[float("nan")], num_iterations=0, kv_cache="", max_num_seqs=-1, stop_check_every=0,
+                   compile_decode="", log_completions=""),
 }
 SECTIONS = {"grpo": grpo_config.GRPO, "reference_model": grpo_config.ReferenceModel,
             "rollout_data": grpo_config.RolloutData, "online": grpo_config.Online}
+
+
+def test_compile_decode_needs_the_kv_cache():
+    with pytest.raises(ValueError, match=r"\[online\] compile_decode = True must be false with \[online\] kv_cache = false"):
+        grpo_config.Online(kv_cache=False, compile_decode=True)
 
 
 def test_the_fuzz_table_covers_every_key():

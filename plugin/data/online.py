@@ -18,7 +18,8 @@ log-probs) is saved per DP rank, so a resume anywhere, mid-replay too, continues
 
 Simplifications:
 1. Every rank loads the whole prompt file into memory (prompts are small next to rollouts).
-2. A batch's completions are generated in one call per rank, all its microbatches at once.
+2. A batch's completions are generated together per rank, all its microbatches at once ([online] max_num_seqs
+   splits them into calls).
 """
 
 import hashlib
@@ -33,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
+from torchtitan.distributed.utils import maybe_enable_amp
 from torchtitan.tools.logging import logger
 
 from plugin.data.batch import GroupStream, Rollouts
@@ -99,10 +101,11 @@ class OnlineDataset(IterableDataset, Stateful):
 
     def __init__(self, prompts: list[Prompt], plan, collate, seed: int, online, reward_fns, tokenizer,
                  pad_id: int, stop_ids: list[int], temperature: float, dump_folder: str, job: GRPOJob,
-                 stats: OnlineStats):
+                 stats: OnlineStats, mixed_precision_param: str = "float32"):
         self.prompts, self.plan, self.collate, self.seed, self.cfg = prompts, plan, collate, seed, online
         self.reward_fns, self.tokenizer, self.pad_id, self.stop_ids = reward_fns, tokenizer, pad_id, stop_ids
         self.temperature, self.dump_folder, self.job, self.stats = temperature, dump_folder, job, stats
+        self.mixed_precision_param = mixed_precision_param  # [training]: the dtype the trainer computes in
         self.stream = GroupStream(len(prompts), plan.groups_per_step, seed)
         # position: the next (batch, iteration, microbatch) to yield; mid-batch, its microbatches
         self.batch_index, self.iteration, self.microbatch = 0, 0, 0
@@ -119,8 +122,12 @@ class OnlineDataset(IterableDataset, Stateful):
             self.dp_group = parallel_dims.get_optional_mesh("batch").get_group()
         tp = parallel_dims.tp if parallel_dims.tp_enabled else 1
         self.writes_log = tp == 1 or parallel_dims.get_optional_mesh("tp").get_local_rank() == 0  # TP peers agree
+        # the training forward's autocast (none under FSDP, whose parameters are already in the compute dtype)
+        amp = maybe_enable_amp(parallel_dims, self.mixed_precision_param, next(self.policy.parameters()).device.type)
         self.sampler = build_sampler(self.policy, kv_cache=self.cfg.kv_cache, max_new_tokens=self.cfg.max_new_tokens,
-                                     stop_ids=self.stop_ids, temperature=self.temperature, pad_id=self.pad_id)
+                                     stop_ids=self.stop_ids, temperature=self.temperature, pad_id=self.pad_id,
+                                     max_num_seqs=self.cfg.max_num_seqs, check_every=self.cfg.stop_check_every,
+                                     compile_decode=self.cfg.compile_decode, autocast=lambda: amp)
 
     def __iter__(self):
         plan, mu = self.plan, self.cfg.num_iterations
@@ -155,7 +162,8 @@ class OnlineDataset(IterableDataset, Stateful):
         keys = [sample_key(self.seed, index, i, m) for i in positions for m in range(G)]
 
         start = time.perf_counter()
-        samples = self.sampler.generate([p.ids for p in mine], keys)
+        with self.job.stats.peak_memory(next(self.policy.parameters()).device) as memory:
+            samples = self.sampler.generate([p.ids for p in mine], keys)
         gen_time = time.perf_counter() - start
 
         texts = [self.tokenizer.decode(c[:-1] if c and c[-1] in self.stop_ids else c) for c in samples.completions]
@@ -165,7 +173,7 @@ class OnlineDataset(IterableDataset, Stateful):
         lengths = [len(c) for c in samples.completions]
 
         # advantages (batch_std) and loss weights need every DP rank's rewards and lengths
-        part = (positions, gen_time, [totals, lengths, samples.truncated, *per_fn])
+        part = (positions, gen_time, memory.peak, [totals, lengths, samples.truncated, *per_fn])
         gathered = [part]
         if self.dp_group is not None:
             gathered = [None] * dist.get_world_size(self.dp_group)
@@ -173,12 +181,12 @@ class OnlineDataset(IterableDataset, Stateful):
         n = plan.groups_per_step * G
         # reward, length, truncated and each function's reward of every completion, in batch order
         values = [[0.0] * n, [0] * n, [False] * n, *([0.0] * n for _ in self.reward_fns)]
-        for pos, _, rank_values in gathered:
+        for pos, _, _, rank_values in gathered:
             for k, i in enumerate(pos):  # the rank's k-th group is the batch's i-th
                 for column, v in zip(values, rank_values):
                     column[i * G : (i + 1) * G] = v[k * G : (k + 1) * G]
         rewards, lens, truncated, *fn_rewards = values
-        self.stats.record(max(g[1] for g in gathered), lens, truncated, fn_rewards)
+        self.stats.record(max(g[1] for g in gathered), max(g[2] for g in gathered), lens, truncated, fn_rewards)
         if self.cfg.log_completions and self.writes_log:
             self._log(index, mine, texts, samples, totals, per_fn)
 
@@ -261,4 +269,5 @@ def build_online_dataset(job_config, job: GRPOJob, tokenizer, encoder, batching)
         + ", ".join(f"{f.weight:g} * {f.key.split('= ', 1)[1]}" for f in reward_fns)
     )
     return OnlineDataset(prompts, plan, collate, job_config.debug.seed or 0, online, reward_fns, tokenizer,
-                         collate.pad_id, stop_ids, grpo.temperature, job_config.job.dump_folder, job, job.online_stats)
+                         collate.pad_id, stop_ids, grpo.temperature, job_config.job.dump_folder, job, job.online_stats,
+                         training.mixed_precision_param)
