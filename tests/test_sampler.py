@@ -342,3 +342,135 @@ def _train_after_generation(rank, world_size, out):
 def test_fsdp_training_step_unchanged_by_generation(tmp_path):
     """After generating (cached, then uncached with one rank empty), FSDP's state is as before: same gradients."""
     run_ranks(2, _train_after_generation, str(tmp_path))
+
+
+# --- the engine: sharded sampling, finished rows out, shared prefill, the cap, compiled decode ----------
+
+def _sharded_sampling_worker(rank, world_size, out):
+    """Logits split over a 2-rank vocab mesh (1271 ids: shards of 636 and 635), sampled where they lie."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from plugin.generation import sampler as sampler_module
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(9, 1271, generator=g) * 3
+    keys = torch.tensor([random.Random(i).getrandbits(63) for i in range(9)], dtype=torch.int64)
+    sharded = distribute_tensor(logits, mesh, [Shard(-1)])
+
+    def no_gather(*args, **kwargs):
+        raise AssertionError("the sampler gathered the vocabulary")
+
+    # a gather of the logits would go through one of these
+    for name in ("all_gather", "all_gather_into_tensor"):
+        setattr(dist, name, no_gather)
+    DTensor.full_tensor = no_gather
+    local, shard = sampler_module.local_vocab(sharded)
+    assert (shard.start, local.shape[1]) == ((0, 636), (636, 635))[rank]
+    draws = [sampler_module.sample_sharded(local, shard, sampler_module.row_seeds(keys, t), 0.7) for t in range(5)]
+    if rank == 0:
+        torch.save(draws, out)
+
+
+@pytest.mark.slow
+def test_sharded_sampling_draws_the_full_vocabularys_tokens(tmp_path):
+    """Each rank scores only its vocab shard; one all-reduce of per-row candidates, no gather: 1 rank's tokens,
+    and log-probs within fp32 rounding of a log-softmax."""
+    run_ranks(2, _sharded_sampling_worker, str(tmp_path / "draws.pt"))
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(9, 1271, generator=g) * 3
+    keys = torch.tensor([random.Random(i).getrandbits(63) for i in range(9)], dtype=torch.int64)
+    for t, (tokens, logprobs) in enumerate(torch.load(tmp_path / "draws.pt")):
+        want, _ = sample(logits, keys, t, 0.7)
+        assert torch.equal(tokens, want)
+        exact = torch.log_softmax(logits.double() / 0.7, -1).gather(-1, tokens[:, None]).squeeze(-1)
+        torch.testing.assert_close(logprobs.double(), exact, rtol=0, atol=2e-6)
+
+
+def test_sampled_logprobs_are_a_log_softmax():
+    """Over blocks of the vocabulary (B=3 reads V=151,936 in several), within fp32 rounding of a log-softmax."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 151_936, generator=g) * 4
+    tokens, logprobs = sample(logits, torch.tensor([1, 2, 3]), 0, 1.0)
+    exact = torch.log_softmax(logits.double(), -1).gather(-1, tokens[:, None]).squeeze(-1)
+    torch.testing.assert_close(logprobs.double(), exact, rtol=0, atol=1e-5)
+    assert torch.equal(tokens, (logits.double() + gumbel(row_seeds(torch.tensor([1, 2, 3]), 0), 0, 151_936)
+                                .double()).argmax(-1))
+
+
+def _sampler(model, stops, **options):
+    return build_sampler(model, kv_cache=True, max_new_tokens=N, stop_ids=stops, temperature=TEMPERATURE, pad_id=PAD,
+                         **options)
+
+
+@pytest.fixture(scope="module")
+def llama(one_rank):
+    return build("grpo_llama3"), one_rank["grpo_llama3"]
+
+
+def test_finished_rows_leave_without_changing_completions(llama):
+    """Rows dropped at every step's check, or never (one check after the last step): the same samples."""
+    model, base = llama
+    for every in (1, 3, N + 1):
+        got = _sampler(model, base["stops"], check_every=every).generate(prompts(), KEYS)
+        assert got.completions == base["cached"].completions, every
+        assert got.truncated == base["cached"].truncated
+        assert max_logprob_diff(got, base["cached"]) <= LOGPROB_ATOL
+
+
+def test_rows_leave_the_batch(llama):
+    """With a check every step, a decode step's batch shrinks as sequences stop."""
+    model, base = llama
+    rows = []
+    handle = model.register_forward_pre_hook(lambda m, args: rows.append(args[0].shape[1]))
+    _sampler(model, base["stops"], check_every=1).generate(prompts(), KEYS)
+    handle.remove()
+    stopped = sum(not t for t in base["cached"].truncated)
+    assert rows[0] == len(PROMPT_LENS) and rows[-1] == len(PROMPT_LENS) - stopped
+    assert rows == sorted(rows, reverse=True)
+
+
+def test_a_groups_members_share_one_prefill(llama):
+    """G copies of each prompt: each distinct prompt is prefilled once, and each member draws what it draws alone."""
+    model, base = llama
+    group = [p for p in prompts()[:3] for _ in range(3)]
+    keys = [KEYS[i] + m for i in range(3) for m in range(3)]
+    prefills = []
+    model.hidden_states = _counting(model.hidden_states, prefills)  # an instance attribute over the method
+    try:
+        together = _sampler(model, base["stops"]).generate(group, keys)
+    finally:
+        del model.hidden_states
+    assert prefills == [3]  # one prefill, of the distinct prompts
+    for p, k, c, lp in zip(group, keys, together.completions, together.logprobs):
+        alone = _sampler(model, base["stops"]).generate([p], [k])
+        assert alone.completions[0] == c
+        assert max(abs(x - y) for x, y in zip(alone.logprobs[0], lp)) <= LOGPROB_ATOL
+
+
+def _counting(method, seen: list):
+    def hidden_states(tokens, *args, **kwargs):
+        seen.append(tokens.shape[0])
+        return method(tokens, *args, **kwargs)
+
+    return hidden_states
+
+
+def test_the_cap_splits_calls_with_the_same_samples(llama):
+    model, base = llama
+    rows = []
+    handle = model.register_forward_pre_hook(lambda m, args: rows.append(args[0].shape[1]))
+    got = _sampler(model, base["stops"], max_num_seqs=3).generate(prompts(), KEYS)
+    handle.remove()
+    assert max(rows) == 3
+    assert got.completions == base["cached"].completions and got.truncated == base["cached"].truncated
+    assert max_logprob_diff(got, base["cached"]) <= LOGPROB_ATOL
+
+
+def test_compiled_decode_equals_eager(llama):
+    """torch.compile's inductor on the CPU: the decode step's tokens and log-probs as eager's."""
+    model, base = llama
+    got = _sampler(model, base["stops"], compile_decode=True).generate(prompts(), KEYS)
+    assert got.completions == base["cached"].completions and got.truncated == base["cached"].truncated
+    assert max_logprob_diff(got, base["cached"]) <= LOGPROB_ATOL
