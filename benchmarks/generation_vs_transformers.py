@@ -22,6 +22,9 @@ Simplifications:
    (final norm + head), sampling and the rest (embedding, cache bookkeeping, Python), prefill
    left out; forward hooks read `time.process_time` around each part.
 
+On a GPU (benchmarks/gpu_oneshot.py's generation part) the figure is tokens per wall second, in bf16,
+and --attention-check says whether the decode step runs with SDPA limited to the fused kernels.
+
 Usage: python benchmarks/generation_vs_transformers.py [--layers 4] [--uniform 8x128,32x128] [--no-grpo]
 Writes <out>/generation_vs_transformers.csv and .png, <out>/generation_profile.csv, and prints tables.
 """
@@ -36,8 +39,9 @@ import torch
 from harness import ONE_RANK, build_model  # benchmarks/, the script's folder
 
 REPO = Path(__file__).resolve().parents[1]
-COLUMNS = ("workload", "engine", "layers", "threads", "batch", "prompt_len", "group", "new_tokens", "cpu_s", "wall_s",
-           "generated_tokens", "mean_length", "tokens_per_cpu_s", "ours_vs_transformers")
+COLUMNS = ("workload", "engine", "device", "dtype", "layers", "threads", "batch", "prompt_len", "group", "new_tokens",
+           "cpu_s", "wall_s", "generated_tokens", "mean_length", "tokens_per_cpu_s", "tokens_per_s",
+           "ours_vs_transformers")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -54,6 +58,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stop-fraction", type=float, default=0.01, help="share of the vocabulary in the stop set")
     p.add_argument("--profile", default="32x128", help="a BxN point to profile our decode step at; '' for none")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    p.add_argument("--no-plot", action="store_true", help="no PNG (gpu_oneshot.py brings back at most 8 files)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (on CUDA the figure is tokens per wall second)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="both models' parameter dtype (the same converted weights)")
+    p.add_argument("--attention-check", action="store_true",
+                   help="CUDA: run our decode with SDPA restricted to the flash / efficient / cuDNN kernels, and name "
+                        "the attention kernels a decode step launched (torch.profiler)")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     return p.parse_args(argv)
 
@@ -99,7 +110,7 @@ def to_transformers(model: torch.nn.Module):
 
 
 def check_logits(model, hf, vocab: int) -> float:
-    tokens = torch.randint(0, vocab, (2, 40), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, vocab, (2, 40), generator=torch.Generator().manual_seed(1)).to(model.output.weight.device)
     with torch.no_grad():
         ours, theirs = model(tokens), hf(tokens).logits
     return (ours - theirs).abs().max().item()
@@ -120,7 +131,7 @@ def ours(model, prompts, keys, new_tokens: int, stop_ids: list[int]):
 
 
 def theirs(hf, prompts, new_tokens: int, stop_ids: list[int], group: int = 1) -> list[list[int]]:
-    input_ids = torch.tensor(prompts)  # equal lengths: no padding
+    input_ids = torch.tensor(prompts, device=hf.device)  # equal lengths: no padding
     with torch.no_grad():
         out = hf.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=True,
                           temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
@@ -134,10 +145,11 @@ def theirs(hf, prompts, new_tokens: int, stop_ids: list[int], group: int = 1) ->
 
 def row(workload, engine, args, batch, prompt_len, group, new_tokens, completions, cpu, wall) -> dict:
     generated = sum(len(c) for c in completions)
-    return dict(workload=workload, engine=engine, layers=args.layers, threads=args.threads, batch=batch,
+    return dict(workload=workload, engine=engine, device=args.device, dtype=args.dtype, layers=args.layers,
+                threads=args.threads, batch=batch,
                 prompt_len=prompt_len, group=group, new_tokens=new_tokens, cpu_s=round(cpu, 2), wall_s=round(wall, 2),
                 generated_tokens=generated, mean_length=round(generated / len(completions), 1),
-                tokens_per_cpu_s=round(generated / cpu, 1))
+                tokens_per_cpu_s=round(generated / cpu, 1), tokens_per_s=round(generated / wall, 1))
 
 
 def profile(model, prompts, keys, new_tokens: int) -> dict[str, float]:
@@ -187,6 +199,26 @@ def profile(model, prompts, keys, new_tokens: int) -> dict[str, float]:
     return out
 
 
+def attention_check(model, vocab: int) -> str:
+    """Our decode with SDPA limited to the fused kernels (math excluded: it raises if none takes the step), and
+    the attention kernels one decode step launched."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    prompts = [torch.randint(0, vocab, (32,)).tolist() for _ in range(8)]
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    try:
+        with sdpa_kernel(fused):
+            ours(model, prompts, list(range(8)), 4, [])
+    except RuntimeError as e:
+        return f"no fused SDPA kernel took the decode step: {str(e).splitlines()[0]}"
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        ours(model, prompts, list(range(8)), 2, [])  # a prefill and two decode steps
+    names = sorted({e.key for e in prof.key_averages()
+                    if any(k in e.key.lower() for k in ("flash", "fmha", "attention", "cudnn", "efficient"))})
+    return "fused SDPA only: ok; attention kernels launched: " + ("; ".join(n[:80] for n in names) or "none named")
+
+
 def plot(rows: list[dict], out: Path) -> None:
     import matplotlib
 
@@ -220,34 +252,51 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     uniform = points(args.uniform)
-    needed = max([args.prompt_len + n for _, n in uniform] + [args.grpo_prompt_len + args.grpo_new_tokens])
+    needed = max([args.prompt_len + n for _, n in uniform]
+                 + ([] if args.no_grpo else [args.grpo_prompt_len + args.grpo_new_tokens]))
     model, *_ = build_model("--model.name", "grpo_qwen3", "--model.flavor", "0.6B", "--training.seq_len",
-                            str(needed + needed % 2), "--grpo.beta", "0", *ONE_RANK, n_layers=args.layers)
+                            str(needed + needed % 2), "--grpo.beta", "0", *ONE_RANK, device=args.device,
+                            n_layers=args.layers)
+    with torch.no_grad():  # the parameters only, as FSDP's mixed precision casts them: the RoPE table stays fp32
+        for param in model.parameters():
+            param.data = param.data.to(getattr(torch, args.dtype))
     vocab = model.model_args.vocab_size
-    hf = to_transformers(model)
-    print(f"max |logits - transformers' logits| = {check_logits(model, hf, vocab):.2e}", flush=True)
+    try:
+        hf = to_transformers(model)
+    except ImportError as e:  # the GPU machine may lack transformers: our figures alone
+        print(f"transformers is not importable ({e}): our sampler alone", flush=True)
+        hf = None
+    if hf is not None:
+        print(f"max |logits - transformers' logits| = {check_logits(model, hf, vocab):.2e}", flush=True)
+    if args.attention_check:
+        print(f"attention: {attention_check(model, vocab)}", flush=True)
     g = torch.Generator().manual_seed(0)
     rows = []
 
     def warm_up():
         prompt = [torch.randint(0, vocab, (8,), generator=g).tolist()]
         ours(model, prompt, [0], 4, [])
-        theirs(hf, prompt, 4, [])
+        if hf is not None:
+            theirs(hf, prompt, 4, [])
 
     warm_up()
     for B, N in uniform:
         prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(B)]
         keys = list(range(B))
         pair = []
-        for engine, fn in (("ours", lambda: ours(model, prompts, keys, N, [])),
-                           ("transformers", lambda: theirs(hf, prompts, N, []))):
+        engines = [("ours", lambda: ours(model, prompts, keys, N, []))]
+        if hf is not None:
+            engines.append(("transformers", lambda: theirs(hf, prompts, N, [])))
+        for engine, fn in engines:
             completions, cpu, wall = timed(fn)
             assert all(len(c) == N for c in completions)
             pair.append(row("uniform", engine, args, B, args.prompt_len, 1, N, completions, cpu, wall))
             print(pair[-1], flush=True)
-        pair[0]["ours_vs_transformers"] = round(pair[0]["tokens_per_cpu_s"] / pair[1]["tokens_per_cpu_s"], 2)
+        if hf is not None:
+            per = "tokens_per_cpu_s" if args.device == "cpu" else "tokens_per_s"
+            pair[0]["ours_vs_transformers"] = round(pair[0][per] / pair[1][per], 2)
         rows += pair
-    if not args.no_grpo:
+    if not args.no_grpo and hf is not None:
         G, P = args.group, args.grpo_prompts
         stop_ids = sorted(torch.randperm(vocab, generator=g)[:round(args.stop_fraction * vocab)].tolist())
         prompts = [torch.randint(0, vocab, (args.grpo_prompt_len,), generator=g).tolist() for _ in range(P)]
@@ -268,13 +317,16 @@ def main(argv=None) -> None:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
-    plot(rows, out / "generation_vs_transformers.png")
+    if hf is None:
+        return
+    if not args.no_plot:
+        plot(rows, out / "generation_vs_transformers.png")
     print("| workload | B | new tokens | ours tok/CPU-s | transformers tok/CPU-s | ours CPU s | transformers CPU s "
           "| mean length ours / theirs | ratio |\n|---|---:|---:|---:|---:|---:|---:|---|---:|")
     for a, b in zip(rows[::2], rows[1::2]):
         print(f"| {a['workload']} | {a['batch']} | {a['new_tokens']} | {a['tokens_per_cpu_s']} | {b['tokens_per_cpu_s']} "
               f"| {a['cpu_s']} | {b['cpu_s']} | {a['mean_length']} / {b['mean_length']} | {a['ours_vs_transformers']}x |")
-    if args.profile:
+    if args.profile and args.device == "cpu":  # process_time says nothing of a GPU's work
         (B, N), = points(args.profile)
         prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(B)]
         shares = profile(model, prompts, list(range(B)), N)
