@@ -474,3 +474,27 @@ def test_compiled_decode_equals_eager(llama):
     got = _sampler(model, base["stops"], compile_decode=True).generate(prompts(), KEYS)
     assert got.completions == base["cached"].completions and got.truncated == base["cached"].truncated
     assert max_logprob_diff(got, base["cached"]) <= LOGPROB_ATOL
+
+
+def test_generation_runs_in_the_trainers_autocast_dtype(llama):
+    """With the training forward's autocast (bf16 on one device) the layers, the KV cache and the logits are bf16;
+    the cached sampler still follows the oracle under it."""
+    model, base = llama
+    seen = []
+    handles = [model.output.register_forward_hook(lambda m, a, out: seen.append(("logits", out.dtype))),
+               model.layers["0"].attention.register_forward_pre_hook(
+                   lambda m, a: seen.append(("cache", getattr(m.inner_attention, "k", None) is not None
+                                             and m.inner_attention.k.dtype)))]
+    bf16 = dict(autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    try:
+        cached = _sampler(model, base["stops"], **bf16).generate(prompts(), KEYS)
+    finally:
+        for h in handles:
+            h.remove()
+    assert {d for what, d in seen if what == "logits"} == {torch.bfloat16}
+    assert {d for what, d in seen if what == "cache" and d is not False} == {torch.bfloat16}
+    oracle = build_sampler(model, kv_cache=False, max_new_tokens=N, stop_ids=base["stops"], temperature=TEMPERATURE,
+                           pad_id=PAD, **bf16).generate(prompts(), KEYS)
+    # bf16 rounds cached and full forwards differently: a near-tie may flip, the log-probs differ by bf16's rounding
+    assert mismatch_fraction(cached, oracle) <= 2 / len(PROMPT_LENS)
+    assert max_logprob_diff(cached, oracle) <= 0.05
