@@ -58,6 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stop-fraction", type=float, default=0.01, help="share of the vocabulary in the stop set")
     p.add_argument("--profile", default="32x128", help="a BxN point to profile our decode step at; '' for none")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    p.add_argument("--append", action="store_true",
+                   help="keep the rows already in the CSV (a grid measured in several runs); the plot shows them all")
     p.add_argument("--no-plot", action="store_true", help="no PNG (gpu_oneshot.py brings back at most 8 files)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (on CUDA the figure is tokens per wall second)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
@@ -67,6 +69,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "the attention kernels a decode step launched (torch.profiler)")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     return p.parse_args(argv)
+
+
+def typed(r: dict) -> dict:
+    """A CSV row's numbers back as numbers."""
+    ints = ("layers", "threads", "batch", "prompt_len", "group", "new_tokens", "generated_tokens")
+    floats = ("cpu_s", "wall_s", "mean_length", "tokens_per_cpu_s", "tokens_per_s", "ours_vs_transformers")
+    return {k: int(v) if k in ints else float(v) if k in floats and v != "" else v for k, v in r.items()}
 
 
 def points(spec: str) -> list[tuple[int, int]]:
@@ -271,7 +280,16 @@ def main(argv=None) -> None:
     if args.attention_check:
         print(f"attention: {attention_check(model, vocab)}", flush=True)
     g = torch.Generator().manual_seed(0)
-    rows = []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "generation_vs_transformers.csv"
+    rows = [typed(r) for r in csv.DictReader(open(path))] if args.append and path.exists() else []
+
+    def save() -> None:  # after every pair: a run cut short keeps what it measured
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=COLUMNS)
+            writer.writeheader()
+            writer.writerows(rows)
 
     def warm_up():
         prompt = [torch.randint(0, vocab, (8,), generator=g).tolist()]
@@ -296,6 +314,7 @@ def main(argv=None) -> None:
             per = "tokens_per_cpu_s" if args.device == "cpu" else "tokens_per_s"
             pair[0]["ours_vs_transformers"] = round(pair[0][per] / pair[1][per], 2)
         rows += pair
+        save()
     if not args.no_grpo and hf is not None:
         G, P = args.group, args.grpo_prompts
         stop_ids = sorted(torch.randperm(vocab, generator=g)[:round(args.stop_fraction * vocab)].tolist())
@@ -311,12 +330,8 @@ def main(argv=None) -> None:
         # CPU seconds for the same prompts (the drawn lengths differ): transformers' over ours
         pair[0]["ours_vs_transformers"] = round(pair[1]["cpu_s"] / pair[0]["cpu_s"], 2)
         rows += pair
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "generation_vs_transformers.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
+        save()
+    save()
     if hf is None:
         return
     if not args.no_plot:
