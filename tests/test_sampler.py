@@ -16,8 +16,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from conftest import build_model, run_ranks
-from plugin.generation.sampler import (KVCache, KVCacheSampler, NoCacheSampler, _mix, build_sampler, gumbel, row_seeds,
-                                      sample)
+from plugin.generation.sampler import (KVCache, KVCacheSampler, NoCacheSampler, _mix, _mix32, build_sampler, gumbel,
+                                      row_seeds, sample)
 
 SEQ_LEN = 48  # the RoPE table: [training] seq_len
 N = 12  # max_new_tokens
@@ -213,6 +213,23 @@ def test_mix_is_splitmix64():
     signed = torch.tensor([v - (1 << 64) if v >= 1 << 63 else v for v in values], dtype=torch.int64)
     got = [v & ((1 << 64) - 1) for v in _mix(signed).tolist()]
     assert got == [splitmix64_finalizer(v) for v in values]
+
+
+def fmix32(x: int) -> int:
+    """The reference: murmur3's fmix32 on Python ints mod 2**32."""
+    mask = (1 << 32) - 1
+    x &= mask
+    x = ((x ^ (x >> 16)) * 0x85EBCA6B) & mask
+    x = ((x ^ (x >> 13)) * 0xC2B2AE35) & mask
+    return x ^ (x >> 16)
+
+
+def test_mix32_is_fmix32():
+    """int32 products wrap as uint32's do (the noise's hash relies on it, on every device)."""
+    rng = random.Random(1)
+    values = [0, 1, (1 << 31) - 1, 1 << 31, (1 << 32) - 1] + [rng.getrandbits(32) for _ in range(1000)]
+    signed = torch.tensor([v - (1 << 32) if v >= 1 << 31 else v for v in values], dtype=torch.int32)
+    assert [v & ((1 << 32) - 1) for v in _mix32(signed).tolist()] == [fmix32(v) for v in values]
 
 
 def test_noise_is_a_function_of_key_token_index_and_vocab_id():
