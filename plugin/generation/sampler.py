@@ -1,16 +1,18 @@
 """Sampling completions from the training policy, in the training processes, on its own mesh.
 
-`KVCacheSampler` prefills each prompt but its last token, then decodes one token per sequence
-per step against a cache of this rank's attention heads. `NoCacheSampler` re-runs the whole
-sequence per new token: the oracle the cached one is tested against. Both draw with the same
-noise, so they pick the same tokens.
+`KVCacheSampler` prefills each distinct prompt but its last token once, copies its cache rows to
+the prompt's sequences, then decodes one token per sequence per step against a cache of this
+rank's attention heads. `NoCacheSampler` re-runs the whole sequence per new token: the oracle the
+cached one is tested against. Both draw with the same noise, so they pick the same tokens.
 
 1. Full vocabulary at `temperature`, no top-k/top-p: the log-probs are exact.
-2. Gumbel-max with noise hashed from (key, token index, vocab id): a sequence's draws depend on
-   its key alone, not on the rank layout or the batch it shares.
+2. Gumbel-max with float32 noise hashed from (key, token index, global vocab id): a sequence's
+   draws depend on its key alone, not on the rank layout or the batch it shares. Under TP each
+   rank scores its own vocab shard; one all-reduce of per-row candidates picks the token.
 3. Every step goes through `model(...)` or `model.hidden_states(...)`, so FSDP's hooks run; compiled
-   blocks run eagerly.
-4. Sequences that have stopped keep decoding (discarded) until all have, on every rank.
+   blocks run eagerly (`compile_decode` compiles the decode step itself).
+4. The host looks at the stops every `check_every` steps: finished sequences leave the batch there,
+   and between checks they keep decoding (discarded). Peers step until no rank has any left.
 """
 
 from contextlib import AbstractContextManager, contextmanager, nullcontext
