@@ -16,8 +16,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from conftest import build_model, run_ranks
-from plugin.generation.sampler import (KVCache, KVCacheSampler, NoCacheSampler, _mix, _mix32, build_sampler, gumbel,
-                                      row_seeds, sample)
+from plugin.generation.sampler import KVCache, KVCacheSampler, NoCacheSampler, build_sampler
+from plugin.generation.sampling import _mix, _mix32, gumbel, row_seeds, sample
 
 SEQ_LEN = 48  # the RoPE table: [training] seq_len
 N = 12  # max_new_tokens
@@ -368,7 +368,7 @@ def _sharded_sampling_worker(rank, world_size, out):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from plugin.generation import sampler as sampler_module
+    from plugin.generation import sampling
 
     mesh = init_device_mesh("cpu", (world_size,))
     g = torch.Generator().manual_seed(3)
@@ -383,9 +383,9 @@ def _sharded_sampling_worker(rank, world_size, out):
     for name in ("all_gather", "all_gather_into_tensor"):
         setattr(dist, name, no_gather)
     DTensor.full_tensor = no_gather
-    local, shard = sampler_module.local_vocab(sharded)
+    local, shard = sampling.local_vocab(sharded)
     assert (shard.start, local.shape[1]) == ((0, 636), (636, 635))[rank]
-    draws = [sampler_module.sample_sharded(local, shard, sampler_module.row_seeds(keys, t), 0.7) for t in range(5)]
+    draws = [sampling.sample_sharded(local, shard, sampling.row_seeds(keys, t), 0.7) for t in range(5)]
     if rank == 0:
         torch.save(draws, out)
 
