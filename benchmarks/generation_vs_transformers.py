@@ -114,12 +114,15 @@ def to_transformers(model: torch.nn.Module):
     hf.load_state_dict(state, strict=False, assign=True)
     if a.enable_weight_tying:
         hf.tie_weights()
-    hf.model.rotary_emb = type(hf.model.rotary_emb)(config)  # its inv_freq buffer is not in the state dict
+    # its inv_freq buffer is not in the state dict
+    hf.model.rotary_emb = type(hf.model.rotary_emb)(config).to(model.output.weight.device)
     return hf.eval()
 
 
 def check_logits(model, hf, vocab: int) -> float:
-    tokens = torch.randint(0, vocab, (2, 40), generator=torch.Generator().manual_seed(1)).to(model.output.weight.device)
+    length = min(40, model.model_args.max_seq_len)  # within the RoPE table
+    tokens = torch.randint(0, vocab, (2, length), generator=torch.Generator().manual_seed(1))
+    tokens = tokens.to(model.output.weight.device)
     with torch.no_grad():
         ours, theirs = model(tokens), hf(tokens).logits
     return (ours - theirs).abs().max().item()

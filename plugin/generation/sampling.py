@@ -81,7 +81,9 @@ def gumbel(seeds: torch.Tensor, start: int, count: int) -> torch.Tensor:
 # candidate columns per row: the best score, its global vocab id, its scaled logit, the row's
 # max scaled logit and sum of exp(scaled logit - max) over the shard
 _CANDIDATE = 5
-_BLOCK_ELEMENTS = 1 << 18  # [B, block] float32 temporaries of ~1 MiB: each block's passes stay in cache
+# [B, block] float32 temporaries: ~1 MiB on a CPU, so each block's passes stay in its cache; 128 MiB
+# on a GPU, where each block's passes are ~20 kernel launches and the cache is no concern
+_BLOCK_ELEMENTS = {"cpu": 1 << 18, "cuda": 1 << 25}
 
 
 def shard_candidates(logits: torch.Tensor, seeds: torch.Tensor, start: int, temperature: float) -> torch.Tensor:
@@ -91,7 +93,7 @@ def shard_candidates(logits: torch.Tensor, seeds: torch.Tensor, start: int, temp
     blocks of columns, so no [B, V] temporary exists. Ties keep the lower vocab id.
     """
     B, V = logits.shape
-    block = max(1024, _BLOCK_ELEMENTS // max(B, 1))
+    block = max(1024, _BLOCK_ELEMENTS.get(logits.device.type, 1 << 18) // max(B, 1))
     best = torch.full((B,), -torch.inf, device=logits.device)
     best_id, best_z = torch.zeros(B, device=logits.device), torch.zeros(B, device=logits.device)
     m, s = torch.full((B,), -torch.inf, device=logits.device), torch.zeros(B, device=logits.device)
