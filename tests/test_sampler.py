@@ -485,6 +485,7 @@ def test_the_cap_splits_calls_with_the_same_samples(llama):
     assert max_logprob_diff(got, base["cached"]) <= LOGPROB_ATOL
 
 
+@pytest.mark.slow  # inductor compiles the decode step for each row count: a minute or two on 2 cores
 def test_compiled_decode_equals_eager(llama):
     """torch.compile's inductor on the CPU: the decode step's tokens and log-probs as eager's."""
     model, base = llama
