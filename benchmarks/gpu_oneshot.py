@@ -1,4 +1,5 @@
-"""One shot on one lent GPU: set-up, the log-prob benchmark, the reference-offload benchmark and a 20-step GRPO run.
+"""One shot on one lent GPU: set-up, the log-prob benchmark, the reference-offload benchmark, generation against
+transformers' generate and a 20-step GRPO run.
 
 Run from the repo root of a copy of the work tree, on a machine with one CUDA GPU and no package
 registry (the device tool's H200: Python 3.12, torch 2.11); the pure-Python packages it lacks travel
@@ -11,6 +12,8 @@ device tool brings back), go to $OUT if set, else benchmarks/results/gpu/:
   gpu_oneshot.log         every command and its whole output
   logprob_memory.csv/.png the log-prob benchmark at B=4 T=9216 V=151936 D=1024, TP=1
   reference_offload.csv   resting and peak memory with and without [reference_model] offload
+  generation_vs_transformers.csv  the sampler's tokens/s at the Qwen3-0.6B shape, B=64 and 256, bf16, against
+                          transformers' generate where the machine has it; the summary names the attention kernels
   grpo_steps.csv          the GRPO run's metrics per step (from TensorBoard)
   grpo_tb.tar.gz          its TensorBoard events
 
@@ -45,7 +48,7 @@ CARRIED = ("torchtitan==0.2.2", "torchdata==0.11.0", "tyro==1.0.17", "docstring-
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64")
 # Share of --budget per part; a part may also use what the parts before it left unused.
-SHARES = {"setup": 0.06, "logprob": 0.40, "offload": 0.16, "grpo": 0.38}
+SHARES = {"setup": 0.06, "logprob": 0.34, "offload": 0.12, "generation": 0.14, "grpo": 0.34}
 # gather first: the baseline of the diff column, and likely a quick OOM; then the unchunked compiled
 # pass that the fused pass's targets are ratios to, and the fused pass (policy) / blocked pass
 # (reference) that issue 10 built; should the part's time run out, the older chunked ones are left out
@@ -61,6 +64,9 @@ MODES = {
         offload=["--flavor", "0.6B", "--batch", "4", "--seq", "1024", "--steps", "4"],
         flavor="0.6B", steps=20, seq_len=1024, batch=8, chunk=256, groups=64, group_size=8,
         prompt=(128, 256), completion=(512, 768), grpo_extra=[],
+        # the whole 0.6B model (28 layers), bf16 as the trainer computes, 32-token prompts, 128 new tokens
+        generation=["--device", "cuda", "--dtype", "bfloat16", "--layers", "28", "--uniform", "64x128,256x128",
+                    "--no-grpo", "--profile", "", "--attention-check", "--no-plot"],
     ),
     "smoke": dict(
         device="cpu", budget=1500,
@@ -68,6 +74,7 @@ MODES = {
         offload=["--flavor", "debugmodel", "--batch", "2", "--seq", "64", "--steps", "2"],
         flavor="debugmodel", steps=2, seq_len=128, batch=8, chunk=32, groups=8, group_size=8,
         prompt=(16, 32), completion=(64, 96),
+        generation=["--device", "cpu", "--layers", "1", "--uniform", "4x8", "--no-grpo", "--profile", "", "--no-plot"],
         # compiling on a 2-core CPU takes minutes, and the smoke checks the plumbing, not the speed
         grpo_extra=["--compile.no-enable", "--reference_model.no-compile"],
     ),
@@ -268,6 +275,27 @@ def part_offload(run: Run, timeout: float) -> None:
     run.sections.append("\n".join(lines))
 
 
+def part_generation(run: Run, timeout: float) -> None:
+    """benchmarks/generation_vs_transformers.py: the sampler's tokens/s next to transformers' generate, if installed."""
+    cmd = [sys.executable, "benchmarks/generation_vs_transformers.py", *run.mode["generation"], "--out", str(run.out)]
+    status, detail, output = run.job("generation", cmd, timeout)
+    said = [line for line in output.splitlines()
+            if line.startswith(("attention:", "max |logits", "transformers is not importable"))]
+    path = run.out / "generation_vs_transformers.csv"
+    if not path.exists():
+        run.sections.append("### Generation\n\n" + "\n".join([f"no results: {status} {detail}", *said]))
+        return
+    rows = list(csv.DictReader(open(path)))
+    r0 = rows[0]
+    lines = [f"### Generation, {r0['device']}: Qwen3-0.6B shape, {r0['layers']} layers, {r0['dtype']}, "
+             f"{r0['prompt_len']}-token prompts, no stop", "", *[f"- {line}" for line in said], "",
+             "| engine | B | new tokens | tokens/s | ours / transformers |", "|---|---:|---:|---:|---:|"]
+    for r in rows:
+        ratio = f"{r['ours_vs_transformers']}x" if r["ours_vs_transformers"] else ""
+        lines.append(f"| {r['engine']} | {r['batch']} | {r['new_tokens']} | {r['tokens_per_s']} | {ratio} |")
+    run.sections.append("\n".join(lines))
+
+
 def write_rollouts(path: Path, mode: dict, seed: int = 0) -> None:
     """Grouped, pre-tokenized rollouts; ids below the bundled tokenizer's 2048, so valid for Qwen3's vocab too."""
     rng = random.Random(seed)
@@ -379,7 +407,8 @@ def grpo_summary(steps: dict, status: str, compiled: bool) -> str:
     return "| figure | value |\n|---|---:|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
 
 
-PARTS = {"setup": part_setup, "logprob": part_logprob, "offload": part_offload, "grpo": part_grpo}
+PARTS = {"setup": part_setup, "logprob": part_logprob, "offload": part_offload, "generation": part_generation,
+         "grpo": part_grpo}
 
 
 def main(argv=None) -> int:

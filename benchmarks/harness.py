@@ -23,11 +23,12 @@ def parse_config(*overrides: str):
     return ConfigManager().parse_args(["--job.config_file", str(REPO / CONFIG), *overrides])
 
 
-def build_model(*overrides: str, parallel_dims=None, device="cpu"):
+def build_model(*overrides: str, parallel_dims=None, device="cpu", n_layers: int | None = None):
     """The model of the bundled config (with `overrides`) in this process, built as torchtitan's Trainer builds it:
     meta init, the TrainSpec's parallelize function, to_empty, init_weights (seed 0).
 
     Returns (model, job_config, parallel_dims, train_spec); one rank unless `parallel_dims` says otherwise.
+    `n_layers` cuts the flavor's depth (a real model's width and vocabulary at a fraction of its cost).
     """
     import copy
 
@@ -42,6 +43,8 @@ def build_model(*overrides: str, parallel_dims=None, device="cpu"):
     # a copy: update_from_config must not change the registered flavor for the next build
     model_args = copy.deepcopy(spec.model_args[cfg.model.flavor])
     model_args.update_from_config(cfg)
+    if n_layers is not None:
+        model_args.n_layers = n_layers
     with torch.device("meta"):
         model = spec.model_cls(model_args)
     model = spec.parallelize_fn(model, pd, cfg)

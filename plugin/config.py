@@ -191,6 +191,15 @@ class Online:
     kv_cache: bool = True
     """Sample with a KV cache (one token per decode step); false runs the no-cache oracle, a full forward per token."""
 
+    max_num_seqs: int = 0
+    """Most sequences a rank decodes at once (vLLM's max_num_seqs): more are sampled in several calls, which bounds the KV cache; 0 = no cap."""
+
+    stop_check_every: int = 8
+    """Decode steps between stop checks, the decode loop's only host syncs: finished sequences leave the batch there."""
+
+    compile_decode: bool = False
+    """Run the cached sampler's decode step under torch.compile (static shapes: the whole cache, masked; row counts in powers of two)."""
+
     log_completions: bool = False
     """Write every sampled completion, its prompt and rewards to <dump_folder>/completions/step-<n>-dp<r>.jsonl."""
 
@@ -225,6 +234,10 @@ class Online:
                self.eval_temperature >= 0 and math.isfinite(self.eval_temperature), "a finite number >= 0 (0 = greedy)")
         _check("online", "max_num_gen_batches", self.max_num_gen_batches, self.max_num_gen_batches >= 0,
                ">= 0 (0 = no limit)")
+        _check("online", "max_num_seqs", self.max_num_seqs, self.max_num_seqs >= 0, ">= 0 (0: no cap)")
+        _check("online", "stop_check_every", self.stop_check_every, self.stop_check_every >= 1, ">= 1")
+        _check("online", "compile_decode", self.compile_decode, self.kv_cache or not self.compile_decode,
+               "false with [online] kv_cache = false (the oracle has no decode step)")
         for i, t in enumerate(self.stop_token_ids):
             _check("online", f"stop_token_ids[{i}]", t, t >= 0, "a token id >= 0")
         for i, f in enumerate(self.reward_funcs):

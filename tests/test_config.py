@@ -143,10 +143,15 @@ OUT_OF_RANGE = {
                    reward_weights=[float("nan")], num_iterations=0, kv_cache="", log_completions="",
                    num_generations_eval=0, eval_temperature=-1.0, eval_log_completions="",
                    filter_groups="", max_num_gen_batches=-1, behavior_logprobs="vllm",
-                   mask_truncated_completions=""),
+                   mask_truncated_completions="", max_num_seqs=-1, stop_check_every=0, compile_decode=""),
 }
 SECTIONS = {"grpo": grpo_config.GRPO, "reference_model": grpo_config.ReferenceModel,
             "rollout_data": grpo_config.RolloutData, "online": grpo_config.Online}
+
+
+def test_compile_decode_needs_the_kv_cache():
+    with pytest.raises(ValueError, match=r"\[online\] compile_decode = True must be false with \[online\] kv_cache = false"):
+        grpo_config.Online(kv_cache=False, compile_decode=True)
 
 
 def test_the_fuzz_table_covers_every_key():

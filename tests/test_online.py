@@ -18,7 +18,7 @@ from plugin.config import GRPO, Online
 from plugin.job import GRPOJob
 from plugin.runtime.metrics import GRPOMetricsProcessor
 from plugin.data.online import OnlineDataset, load_prompts, sample_key
-from plugin.runtime.stats import OnlineStats
+from plugin.runtime.stats import GRPOStats, OnlineStats
 from plugin.data.rewards import RewardError, load_reward_fns, score
 from plugin.data.rollouts import Encoder, RolloutError
 from plugin.generation.sampler import Samples
@@ -149,7 +149,8 @@ def _online_dataset(tmp_path, tokenizer, *, mu=1, grad_accum=2, n_prompts=6, see
     plan = BatchPlan(group_size=G, groups_per_microbatch=1, grad_accum=grad_accum, dp_rank=dp[0], dp_world_size=dp[1])
     fns = load_reward_fns(cfg.reward_funcs, [])
     ds = OnlineDataset(prompts, plan, Collate(16, 0, grpo or GRPO(), G, sampled=True), seed, cfg, fns, tokenizer, 0,
-                       [tokenizer.eos_id], 1.0, str(tmp_path), SimpleNamespace(), OnlineStats([f.name for f in fns], cfg.filter_groups))
+                       [tokenizer.eos_id], 1.0, str(tmp_path), SimpleNamespace(stats=GRPOStats()),
+                       OnlineStats([f.name for f in fns], cfg.filter_groups))
     ds.policy, ds.sampler = Policy(), sampler(tokenizer.eos_id)
     return ds
 
@@ -241,8 +242,10 @@ def test_sample_keys_depend_on_seed_batch_group_and_member_only():
 
 def test_online_stats_share_and_rates():
     stats = OnlineStats(["a"])
-    stats.record(2.0, [3, 5], [False, True], [[1.0, math.nan]])
+    stats.record(2.0, 3 << 30, [3, 5], [False, True], [[1.0, math.nan]])
+    stats.record(2.0, 1 << 30, [3, 5], [False, True], [[1.0, math.nan]])
     out = stats.take()
+    assert out["online/generation_peak_memory(GiB)"] == 3.0  # the largest batch's
     assert out["online/generated_tokens_per_s"] == 4.0 and out["online/completion_length_max"] == 5
     assert out["online/truncated_fraction"] == 0.5 and out["online/reward/a_mean"] == 1.0
     assert 0 < out["online/generation_share"]

@@ -5,6 +5,7 @@ with the same seed, so every layout holds the same weights. Stop ids are tokens 
 sampler draws part-way through some sequences, so some completions stop and some are truncated.
 """
 
+import math
 import random
 import statistics
 
@@ -15,7 +16,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from conftest import build_model, run_ranks
-from plugin.generation.sampler import KVCache, KVCacheSampler, NoCacheSampler, _mix, build_sampler, sample, uniforms
+from plugin.generation.sampler import KVCache, KVCacheSampler, NoCacheSampler, build_sampler
+from plugin.generation.sampling import _mix, _mix32, gumbel, row_seeds, sample
 
 SEQ_LEN = 48  # the RoPE table: [training] seq_len
 N = 12  # max_new_tokens
@@ -213,16 +215,46 @@ def test_mix_is_splitmix64():
     assert got == [splitmix64_finalizer(v) for v in values]
 
 
-def test_noise_is_a_function_of_key_and_token_index():
+def fmix32(x: int) -> int:
+    """The reference: murmur3's fmix32 on Python ints mod 2**32."""
+    mask = (1 << 32) - 1
+    x &= mask
+    x = ((x ^ (x >> 16)) * 0x85EBCA6B) & mask
+    x = ((x ^ (x >> 13)) * 0xC2B2AE35) & mask
+    return x ^ (x >> 16)
+
+
+def test_mix32_is_fmix32():
+    """int32 products wrap as uint32's do (the noise's hash relies on it, on every device)."""
+    rng = random.Random(1)
+    values = [0, 1, (1 << 31) - 1, 1 << 31, (1 << 32) - 1] + [rng.getrandbits(32) for _ in range(1000)]
+    signed = torch.tensor([v - (1 << 32) if v >= 1 << 31 else v for v in values], dtype=torch.int32)
+    assert [v & ((1 << 32) - 1) for v in _mix32(signed).tolist()] == [fmix32(v) for v in values]
+
+
+def test_noise_is_a_function_of_key_token_index_and_vocab_id():
     keys = torch.tensor([5, 6, -3, 2**62], dtype=torch.int64)
-    u = uniforms(keys, 3, 1271)
-    assert u.shape == (4, 1271) and u.dtype == torch.float64 and 0 < u.min() and u.max() < 1
-    assert torch.equal(u, uniforms(keys, 3, 1271))
-    assert torch.equal(u[2:3], uniforms(keys[2:3], 3, 1271))  # the rest of the batch plays no part
-    assert torch.equal(u[:, :100], uniforms(keys, 3, 100))  # nor the vocab size
-    for other in (uniforms(keys, 4, 1271), uniforms(keys + 1, 3, 1271)):
-        assert (u != other).all()  # another token index or key: other draws throughout
-    assert len(set(u.flatten().tolist())) == u.numel()
+
+    def noise(keys, t, start, count):
+        return gumbel(row_seeds(keys, t), start, count)
+
+    g = noise(keys, 3, 0, 1271)
+    assert g.shape == (4, 1271) and g.dtype == torch.float32 and torch.isfinite(g).all()
+    assert torch.equal(g, noise(keys, 3, 0, 1271))
+    assert torch.equal(g[2:3], noise(keys[2:3], 3, 0, 1271))  # the rest of the batch plays no part
+    assert torch.equal(g[:, :100], noise(keys, 3, 0, 100))  # nor the vocab size
+    assert torch.equal(g[:, 700:], noise(keys, 3, 700, 571))  # a vocab shard draws the full vocabulary's noise
+    for other in (noise(keys, 4, 0, 1271), noise(keys + 1, 3, 0, 1271)):
+        assert (g != other).float().mean() > 0.999  # another token index or key: other draws (float32 may tie)
+
+
+def test_noise_is_gumbel():
+    """Mean (Euler's gamma) and variance (pi^2 / 6) of 2M draws, and the far tail the winners come from."""
+    g = gumbel(row_seeds(torch.arange(64), 0), 0, 1 << 15).double()
+    assert abs(g.mean().item() - 0.5772156649) < 5e-3
+    assert abs(g.var().item() - math.pi**2 / 6) < 1e-2
+    # P(g > x) = 1 - exp(-exp(-x)): at x = 8, 3.35e-4 of 2M draws, about 703
+    assert abs((g > 8).double().mean().item() / -math.expm1(-math.exp(-8)) - 1) < 0.15
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -327,3 +359,160 @@ def _train_after_generation(rank, world_size, out):
 def test_fsdp_training_step_unchanged_by_generation(tmp_path):
     """After generating (cached, then uncached with one rank empty), FSDP's state is as before: same gradients."""
     run_ranks(2, _train_after_generation, str(tmp_path))
+
+
+# --- the engine: sharded sampling, finished rows out, shared prefill, the cap, compiled decode ----------
+
+def _sharded_sampling_worker(rank, world_size, out):
+    """Logits split over a 2-rank vocab mesh (1271 ids: shards of 636 and 635), sampled where they lie."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from plugin.generation import sampling
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(9, 1271, generator=g) * 3
+    keys = torch.tensor([random.Random(i).getrandbits(63) for i in range(9)], dtype=torch.int64)
+    sharded = distribute_tensor(logits, mesh, [Shard(-1)])
+
+    def no_gather(*args, **kwargs):
+        raise AssertionError("the sampler gathered the vocabulary")
+
+    # a gather of the logits would go through one of these
+    for name in ("all_gather", "all_gather_into_tensor"):
+        setattr(dist, name, no_gather)
+    DTensor.full_tensor = no_gather
+    local, shard = sampling.local_vocab(sharded)
+    assert (shard.start, local.shape[1]) == ((0, 636), (636, 635))[rank]
+    draws = [sampling.sample_sharded(local, shard, sampling.row_seeds(keys, t), 0.7) for t in range(5)]
+    if rank == 0:
+        torch.save(draws, out)
+
+
+@pytest.mark.slow
+def test_sharded_sampling_draws_the_full_vocabularys_tokens(tmp_path):
+    """Each rank scores only its vocab shard; one all-reduce of per-row candidates, no gather: 1 rank's tokens,
+    and log-probs within fp32 rounding of a log-softmax."""
+    run_ranks(2, _sharded_sampling_worker, str(tmp_path / "draws.pt"))
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(9, 1271, generator=g) * 3
+    keys = torch.tensor([random.Random(i).getrandbits(63) for i in range(9)], dtype=torch.int64)
+    for t, (tokens, logprobs) in enumerate(torch.load(tmp_path / "draws.pt")):
+        want, _ = sample(logits, keys, t, 0.7)
+        assert torch.equal(tokens, want)
+        exact = torch.log_softmax(logits.double() / 0.7, -1).gather(-1, tokens[:, None]).squeeze(-1)
+        torch.testing.assert_close(logprobs.double(), exact, rtol=0, atol=2e-6)
+
+
+def test_sampled_logprobs_are_a_log_softmax():
+    """Over blocks of the vocabulary (B=3 reads V=151,936 in several), within fp32 rounding of a log-softmax."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 151_936, generator=g) * 4
+    tokens, logprobs = sample(logits, torch.tensor([1, 2, 3]), 0, 1.0)
+    exact = torch.log_softmax(logits.double(), -1).gather(-1, tokens[:, None]).squeeze(-1)
+    torch.testing.assert_close(logprobs.double(), exact, rtol=0, atol=1e-5)
+    assert torch.equal(tokens, (logits.double() + gumbel(row_seeds(torch.tensor([1, 2, 3]), 0), 0, 151_936)
+                                .double()).argmax(-1))
+
+
+def _sampler(model, stops, **options):
+    return build_sampler(model, kv_cache=True, max_new_tokens=N, stop_ids=stops, temperature=TEMPERATURE, pad_id=PAD,
+                         **options)
+
+
+@pytest.fixture(scope="module")
+def llama(one_rank):
+    return build("grpo_llama3"), one_rank["grpo_llama3"]
+
+
+def test_finished_rows_leave_without_changing_completions(llama):
+    """Rows dropped at every step's check, or never (one check after the last step): the same samples."""
+    model, base = llama
+    for every in (1, 3, N + 1):
+        got = _sampler(model, base["stops"], check_every=every).generate(prompts(), KEYS)
+        assert got.completions == base["cached"].completions, every
+        assert got.truncated == base["cached"].truncated
+        assert max_logprob_diff(got, base["cached"]) <= LOGPROB_ATOL
+
+
+def test_rows_leave_the_batch(llama):
+    """With a check every step, a decode step's batch shrinks as sequences stop."""
+    model, base = llama
+    rows = []
+    handle = model.register_forward_pre_hook(lambda m, args: rows.append(args[0].shape[1]))
+    _sampler(model, base["stops"], check_every=1).generate(prompts(), KEYS)
+    handle.remove()
+    stopped = sum(not t for t in base["cached"].truncated)
+    assert rows[0] == len(PROMPT_LENS) and rows[-1] == len(PROMPT_LENS) - stopped
+    assert rows == sorted(rows, reverse=True)
+
+
+def test_a_groups_members_share_one_prefill(llama):
+    """G copies of each prompt: each distinct prompt is prefilled once, and each member draws what it draws alone."""
+    model, base = llama
+    group = [p for p in prompts()[:3] for _ in range(3)]
+    keys = [KEYS[i] + m for i in range(3) for m in range(3)]
+    prefills = []
+    model.hidden_states = _counting(model.hidden_states, prefills)  # an instance attribute over the method
+    try:
+        together = _sampler(model, base["stops"]).generate(group, keys)
+    finally:
+        del model.hidden_states
+    assert prefills == [3]  # one prefill, of the distinct prompts
+    for p, k, c, lp in zip(group, keys, together.completions, together.logprobs):
+        alone = _sampler(model, base["stops"]).generate([p], [k])
+        assert alone.completions[0] == c
+        assert max(abs(x - y) for x, y in zip(alone.logprobs[0], lp)) <= LOGPROB_ATOL
+
+
+def _counting(method, seen: list):
+    def hidden_states(tokens, *args, **kwargs):
+        seen.append(tokens.shape[0])
+        return method(tokens, *args, **kwargs)
+
+    return hidden_states
+
+
+def test_the_cap_splits_calls_with_the_same_samples(llama):
+    model, base = llama
+    rows = []
+    handle = model.register_forward_pre_hook(lambda m, args: rows.append(args[0].shape[1]))
+    got = _sampler(model, base["stops"], max_num_seqs=3).generate(prompts(), KEYS)
+    handle.remove()
+    assert max(rows) == 3
+    assert got.completions == base["cached"].completions and got.truncated == base["cached"].truncated
+    assert max_logprob_diff(got, base["cached"]) <= LOGPROB_ATOL
+
+
+@pytest.mark.slow  # inductor compiles the decode step for each row count: a minute or two on 2 cores
+def test_compiled_decode_equals_eager(llama):
+    """torch.compile's inductor on the CPU: the decode step's tokens and log-probs as eager's."""
+    model, base = llama
+    got = _sampler(model, base["stops"], compile_decode=True).generate(prompts(), KEYS)
+    assert got.completions == base["cached"].completions and got.truncated == base["cached"].truncated
+    assert max_logprob_diff(got, base["cached"]) <= LOGPROB_ATOL
+
+
+def test_generation_runs_in_the_trainers_autocast_dtype(llama):
+    """With the training forward's autocast (bf16 on one device) the layers, the KV cache and the logits are bf16;
+    the cached sampler still follows the oracle under it."""
+    model, base = llama
+    seen = []
+    handles = [model.output.register_forward_hook(lambda m, a, out: seen.append(("logits", out.dtype))),
+               model.layers["0"].attention.register_forward_pre_hook(
+                   lambda m, a: seen.append(("cache", getattr(m.inner_attention, "k", None) is not None
+                                             and m.inner_attention.k.dtype)))]
+    bf16 = dict(autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    try:
+        cached = _sampler(model, base["stops"], **bf16).generate(prompts(), KEYS)
+    finally:
+        for h in handles:
+            h.remove()
+    assert {d for what, d in seen if what == "logits"} == {torch.bfloat16}
+    assert {d for what, d in seen if what == "cache" and d is not False} == {torch.bfloat16}
+    oracle = build_sampler(model, kv_cache=False, max_new_tokens=N, stop_ids=base["stops"], temperature=TEMPERATURE,
+                           pad_id=PAD, **bf16).generate(prompts(), KEYS)
+    # bf16 rounds cached and full forwards differently: a near-tie may flip, the log-probs differ by bf16's rounding
+    assert mismatch_fraction(cached, oracle) <= 2 / len(PROMPT_LENS)
+    assert max_logprob_diff(cached, oracle) <= 0.05

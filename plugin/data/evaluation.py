@@ -27,9 +27,15 @@ from torchtitan.components.validate import BaseValidator
 from torchtitan.tools.logging import logger
 
 from plugin.data.loader import build_encoder
-from plugin.data.online import load_prompts, resolve_stop_ids, reward_completions, sample_key
-from plugin.data.rewards import load_reward_fns, score
-from plugin.generation.sampler import build_sampler
+from plugin.data.online import (
+    load_prompts,
+    online_sampler,
+    resolve_stop_ids,
+    reward_completions,
+    sample_key,
+    score_once,
+)
+from plugin.data.rewards import load_reward_fns
 
 EVAL_BATCH = -1  # the batch index of sample_key for evaluations: no training batch has it
 # the sampler draws argmax(log_softmax(logits / T) + Gumbel noise), the noise within [-3.6, 37.4]: at T = 1e-6
@@ -46,9 +52,12 @@ class GRPOEvaluator(BaseValidator):
         self.prompts, self.reward_fns, self.tokenizer = prompts, reward_fns, tokenizer
         self.stop_ids, self.pad_id, self.dp_rank, self.dp_world_size = stop_ids, pad_id, dp_rank, dp_world_size
         self.metrics_processor = metrics_processor
+        self.parallel_dims = parallel_dims
         self.dp_group = parallel_dims.get_optional_mesh("batch").get_group() if parallel_dims.dp_enabled else None
         tp = parallel_dims.tp if parallel_dims.tp_enabled else 1
         self.writes_log = tp == 1 or parallel_dims.get_optional_mesh("tp").get_local_rank() == 0  # TP peers agree
+        # TP peers sample the same completions: each scores a share of them (score_once)
+        self.tp_group = parallel_dims.get_optional_mesh("tp").get_group() if tp > 1 else None
         self.sampler, self.model = None, None
         v = job_config.validation
         # prompts per evaluation: the first steps * local_batch_size * dp ranks, or all with steps = -1
@@ -69,8 +78,9 @@ class GRPOEvaluator(BaseValidator):
         if self.model is not model_parts[0]:
             self.model = model_parts[0]
             temperature = online.eval_temperature or GREEDY_TEMPERATURE
-            self.sampler = build_sampler(self.model, kv_cache=online.kv_cache, max_new_tokens=online.max_new_tokens,
-                                         stop_ids=self.stop_ids, temperature=temperature, pad_id=self.pad_id)
+            self.sampler = online_sampler(self.model, online, self.parallel_dims,
+                                          self.job_config.training.mixed_precision_param, stop_ids=self.stop_ids,
+                                          temperature=temperature, pad_id=self.pad_id)
         G, seed = online.num_generations_eval, self.job_config.debug.seed or 0
         start = time.perf_counter()
         mine, completions, truncated = [], [], []
@@ -85,8 +95,8 @@ class GRPOEvaluator(BaseValidator):
         columns = {k: [p.columns.get(k) for p in prompts] for k in dict.fromkeys(k for p in prompts for k in p.columns)}
         totals, per_fn = [], [[] for _ in self.reward_fns]  # a rank can have no prompts when the file is short
         if prompts:
-            totals, per_fn = score(self.reward_fns, [p.text for p in prompts], reward_completions(prompts, texts),
-                                   completions, columns, [p.where for p in prompts])
+            totals, per_fn = score_once(self.reward_fns, self.tp_group, [p.text for p in prompts],
+                                        reward_completions(prompts, texts), completions, columns, [p.where for p in prompts])
         part = [totals, [len(c) for c in completions], truncated, *per_fn]
         gathered = [part]
         if self.dp_group is not None:

@@ -18,7 +18,8 @@ log-probs) is saved per DP rank, so a resume anywhere, mid-replay too, continues
 
 Simplifications:
 1. Every rank loads the whole prompt file into memory (prompts are small next to rollouts).
-2. A batch's completions are generated in one call per rank, all its microbatches at once.
+2. A batch's completions are generated together per rank, all its microbatches at once ([online] max_num_seqs
+   splits them into calls).
 """
 
 import hashlib
@@ -33,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
+from torchtitan.distributed.utils import maybe_enable_amp
 from torchtitan.tools.logging import logger
 
 from plugin.data.batch import GroupStream, Rollouts
@@ -108,6 +110,46 @@ class SampledGroup:
         return SampledGroup(None, self.rewards, self.lengths, self.truncated, self.fn_rewards)
 
 
+def online_sampler(policy, cfg, parallel_dims, mixed_precision_param: str, *, stop_ids: list[int], temperature: float,
+                   pad_id: int):
+    """The sampler of the [online] settings `cfg` over `policy`, for training batches and for evaluation alike."""
+    # the training forward's autocast (none under FSDP, whose parameters are already in the compute dtype)
+    amp = maybe_enable_amp(parallel_dims, mixed_precision_param, next(policy.parameters()).device.type)
+    return build_sampler(policy, kv_cache=cfg.kv_cache, max_new_tokens=cfg.max_new_tokens, stop_ids=stop_ids,
+                         temperature=temperature, pad_id=pad_id, max_num_seqs=cfg.max_num_seqs,
+                         check_every=cfg.stop_check_every, compile_decode=cfg.compile_decode, autocast=lambda: amp)
+
+
+def score_once(reward_fns, tp_group, prompts: list, completions: list, completion_ids: list[list[int]],
+               columns: dict[str, list], where: list[str]) -> tuple[list[float], list[list[float]]]:
+    """plugin.data.rewards.score, each completion's rewards run once in the job.
+
+    A reward with side effects (a sandbox, a judge, an API) must not run once per TP rank:
+    TP rank k scores the k-th contiguous share of the completions, and the shares are gathered.
+    A failure on any rank is raised on every rank, so none waits for the others. `tp_group` None: one rank.
+    """
+    if tp_group is None:
+        return score(reward_fns, prompts, completions, completion_ids, columns, where)
+    tp, rank, n = dist.get_world_size(tp_group), dist.get_rank(tp_group), len(completions)
+    mine = slice(n * rank // tp, n * (rank + 1) // tp)
+    part, failure = None, None
+    try:
+        part = score(reward_fns, prompts[mine], completions[mine], completion_ids[mine],
+                     {k: v[mine] for k, v in columns.items()}, where[mine])
+    except Exception as e:
+        failure = e
+    parts = [None] * tp
+    dist.all_gather_object(parts, (part, failure and f"{type(failure).__name__}: {failure}"), group=tp_group)
+    if failure is not None:
+        raise failure
+    for _, peer_error in parts:
+        if peer_error is not None:
+            raise RewardError(f"on a tensor-parallel peer: {peer_error}")
+    totals = [v for p, _ in parts for v in p[0]]
+    per_fn = [[v for p, _ in parts for v in p[1][k]] for k in range(len(reward_fns))]
+    return totals, per_fn
+
+
 def sample_key(seed: int, batch: int, position: int, member: int) -> int:
     """The 63-bit key of one completion's randomness: the run seed, the batch, the group's place in it, the member.
 
@@ -122,10 +164,11 @@ class OnlineDataset(IterableDataset, Stateful):
 
     def __init__(self, prompts: list[Prompt], plan, collate, seed: int, online, reward_fns, tokenizer,
                  pad_id: int, stop_ids: list[int], temperature: float, dump_folder: str, job: GRPOJob,
-                 stats: OnlineStats):
+                 stats: OnlineStats, mixed_precision_param: str = "float32"):
         self.prompts, self.plan, self.collate, self.seed, self.cfg = prompts, plan, collate, seed, online
         self.reward_fns, self.tokenizer, self.pad_id, self.stop_ids = reward_fns, tokenizer, pad_id, stop_ids
         self.temperature, self.dump_folder, self.job, self.stats = temperature, dump_folder, job, stats
+        self.mixed_precision_param = mixed_precision_param  # [training]: the dtype the trainer computes in
         self.stream = GroupStream(len(prompts), plan.groups_per_step, seed)
         # the next batch's first stream position: K per batch, more where filter_groups sampled extra rounds
         self.stream_pos = 0
@@ -146,8 +189,8 @@ class OnlineDataset(IterableDataset, Stateful):
         self.writes_log = tp == 1 or parallel_dims.get_optional_mesh("tp").get_local_rank() == 0  # TP peers agree
         if tp > 1:  # TP peers sample the same completions: each scores a share of them
             self.tp_group = parallel_dims.get_optional_mesh("tp").get_group()
-        self.sampler = build_sampler(self.policy, kv_cache=self.cfg.kv_cache, max_new_tokens=self.cfg.max_new_tokens,
-                                     stop_ids=self.stop_ids, temperature=self.temperature, pad_id=self.pad_id)
+        self.sampler = online_sampler(self.policy, self.cfg, parallel_dims, self.mixed_precision_param,
+                                      stop_ids=self.stop_ids, temperature=self.temperature, pad_id=self.pad_id)
 
     def __iter__(self):
         plan, mu = self.plan, self.cfg.num_iterations
@@ -180,7 +223,7 @@ class OnlineDataset(IterableDataset, Stateful):
         if self.sampler is None:
             self._start()
         plan, G, K, cfg = self.plan, self.plan.group_size, self.plan.groups_per_step, self.cfg
-        kept, dropped, sampled, gen_time, rounds = [], [], [], 0.0, 0
+        kept, dropped, sampled, gen_time, gen_peak, rounds = [], [], [], 0.0, 0, 0
         while len(kept) < K:
             if cfg.filter_groups and cfg.max_num_gen_batches and rounds == cfg.max_num_gen_batches:
                 logger.warning(
@@ -193,8 +236,9 @@ class OnlineDataset(IterableDataset, Stateful):
                 break
             if (epoch := self.stream.epoch_starting_at(self.stream_pos, K)) is not None:
                 logger.info(f"Online prompts: epoch {epoch} starts at batch {index}")
-            groups, seconds = self._sample_round(index, rounds, self.stream.groups(self.stream_pos, K))
+            groups, seconds, peak = self._sample_round(index, rounds, self.stream.groups(self.stream_pos, K))
             self.stream_pos, rounds, gen_time = self.stream_pos + K, rounds + 1, gen_time + seconds
+            gen_peak = max(gen_peak, peak)
             sampled += groups
             if not cfg.filter_groups:
                 kept = groups
@@ -203,7 +247,8 @@ class OnlineDataset(IterableDataset, Stateful):
                 (kept if len(set(g.rewards)) > 1 else dropped).append(g)
         final = kept[:K]  # a round's surplus is left unused, as verl does
 
-        self.stats.record(gen_time, [n for g in sampled for n in g.lengths], [t for g in sampled for t in g.truncated],
+        self.stats.record(gen_time, gen_peak, [n for g in sampled for n in g.lengths],
+                          [t for g in sampled for t in g.truncated],
                           [[r for g in sampled for r in g.fn_rewards[k]] for k in range(len(self.reward_fns))])
         if cfg.filter_groups:
             self.stats.record_filter(len(dropped), rounds - 1)
@@ -239,12 +284,13 @@ class OnlineDataset(IterableDataset, Stateful):
                                                               record["labels"].to(device)).cpu()
         return batch
 
-    def _sample_round(self, index: int, rnd: int, prompt_ids) -> tuple[list["SampledGroup"], float]:
+    def _sample_round(self, index: int, rnd: int, prompt_ids) -> tuple[list["SampledGroup"], float, int]:
         """One generation round of K groups: this rank samples and scores its positions, and every rank gets every
         group's rewards (advantages and loss weights are global), with filter_groups also their completions.
 
         A completion's key names the batch, the round's place and the member, never the rank: 1 rank, TP and FSDP
-        draw the same completions. Returns the groups in stream order and the slowest rank's generation seconds.
+        draw the same completions. Returns the groups in stream order, the slowest rank's generation seconds and
+        the largest rank's peak memory during generation (bytes).
         """
         plan, G, K = self.plan, self.plan.group_size, self.plan.groups_per_step
         positions = [i for j in range(plan.grad_accum) for i in plan.microbatch(j)]  # my groups, in batch order
@@ -252,13 +298,14 @@ class OnlineDataset(IterableDataset, Stateful):
         keys = [sample_key(self.seed, index, rnd * K + i, m) for i in positions for m in range(G)]
 
         start = time.perf_counter()
-        samples = self.sampler.generate([p.ids for p in mine], keys)
-        gen_time = time.perf_counter() - start
+        with self.job.stats.peak_memory(next(self.policy.parameters()).device) as memory:
+            samples = self.sampler.generate([p.ids for p in mine], keys)
+        gen_time, gen_peak = time.perf_counter() - start, memory.peak
 
         texts = [self.tokenizer.decode(c[:-1] if c and c[-1] in self.stop_ids else c) for c in samples.completions]
         columns = {k: [p.columns.get(k) for p in mine] for k in dict.fromkeys(k for p in mine for k in p.columns)}
-        totals, per_fn = self._score([p.text for p in mine], reward_completions(mine, texts), samples.completions,
-                                     columns, [p.where for p in mine])
+        totals, per_fn = score_once(self.reward_fns, self.tp_group, [p.text for p in mine],
+                                    reward_completions(mine, texts), samples.completions, columns, [p.where for p in mine])
         mine_groups = {}
         for k, i in enumerate(positions):
             rows = slice(k * G, (k + 1) * G)
@@ -271,12 +318,12 @@ class OnlineDataset(IterableDataset, Stateful):
             # the rewards of every group; with filter_groups a kept group may land on another rank: everything
             share = {i: g if self.cfg.filter_groups else g.figures() for i, g in mine_groups.items()}
             gathered = [None] * dist.get_world_size(self.dp_group)
-            dist.all_gather_object(gathered, (share, gen_time), group=self.dp_group)
-            for rank_groups, _ in gathered:
+            dist.all_gather_object(gathered, (share, gen_time, gen_peak), group=self.dp_group)
+            for rank_groups, _, _ in gathered:
                 for i, g in rank_groups.items():
                     groups.setdefault(i, g)
-            gen_time = max(t for _, t in gathered)
-        return [groups[i] for i in range(K)], gen_time
+            gen_time, gen_peak = max(t for _, t, _ in gathered), max(p for _, _, p in gathered)
+        return [groups[i] for i in range(K)], gen_time, gen_peak
 
     def _log(self, index: int, groups: list["SampledGroup"]) -> None:
         folder = Path(self.dump_folder) / "completions"
@@ -290,35 +337,6 @@ class OnlineDataset(IterableDataset, Stateful):
                         completion_ids=g.completions[m], truncated=g.truncated[m], reward=g.rewards[m],
                         rewards={fn.name: (None if r[m] != r[m] else r[m]) for fn, r in zip(self.reward_fns, g.fn_rewards)},
                     )) + "\n")
-
-    def _score(self, prompts: list, completions: list, completion_ids: list[list[int]], columns: dict[str, list],
-               where: list[str]) -> tuple[list[float], list[list[float]]]:
-        """plugin.data.rewards.score, each completion's rewards run once in the job.
-
-        A reward with side effects (a sandbox, a judge, an API) must not run once per TP rank:
-        TP rank k scores the k-th contiguous share of the completions, and the shares are gathered.
-        A failure on any rank is raised on every rank, so none waits for the others.
-        """
-        if self.tp_group is None:
-            return score(self.reward_fns, prompts, completions, completion_ids, columns, where)
-        tp, rank, n = dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group), len(completions)
-        mine = slice(n * rank // tp, n * (rank + 1) // tp)
-        part, failure = None, None
-        try:
-            part = score(self.reward_fns, prompts[mine], completions[mine], completion_ids[mine],
-                         {k: v[mine] for k, v in columns.items()}, where[mine])
-        except Exception as e:
-            failure = e
-        parts = [None] * tp
-        dist.all_gather_object(parts, (part, failure and f"{type(failure).__name__}: {failure}"), group=self.tp_group)
-        if failure is not None:
-            raise failure
-        for _, peer_error in parts:
-            if peer_error is not None:
-                raise RewardError(f"on a tensor-parallel peer: {peer_error}")
-        totals = [v for p, _ in parts for v in p[0]]
-        per_fn = [[v for p, _ in parts for v in p[1][k]] for k in range(len(self.reward_fns))]
-        return totals, per_fn
 
     def state_dict(self) -> dict[str, Any]:
         state = dict(batch_index=self.batch_index, iteration=self.iteration, microbatch=self.microbatch,
@@ -381,4 +399,5 @@ def build_online_dataset(job_config, job: GRPOJob, tokenizer, encoder, batching)
         + ", ".join(f"{f.weight:g} * {f.key.split('= ', 1)[1]}" for f in reward_fns)
     )
     return OnlineDataset(prompts, plan, collate, job_config.debug.seed or 0, online, reward_fns, tokenizer,
-                         collate.pad_id, stop_ids, grpo.temperature, job_config.job.dump_folder, job, job.online_stats)
+                         collate.pad_id, stop_ids, grpo.temperature, job_config.job.dump_folder, job, job.online_stats,
+                         training.mixed_precision_param)

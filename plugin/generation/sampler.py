@@ -1,31 +1,34 @@
 """Sampling completions from the training policy, in the training processes, on its own mesh.
 
-`KVCacheSampler` prefills each prompt but its last token, then decodes one token per sequence
-per step against a cache of this rank's attention heads. `NoCacheSampler` re-runs the whole
-sequence per new token: the oracle the cached one is tested against. Both draw with the same
-noise, so they pick the same tokens.
+`KVCacheSampler` prefills each distinct prompt but its last token once, copies its cache rows to
+the prompt's sequences, then decodes one token per sequence per step against a cache of this
+rank's attention heads. `NoCacheSampler` re-runs the whole sequence per new token: the oracle the
+cached one is tested against. Both draw with the same noise, so they pick the same tokens.
 
 1. Full vocabulary at `temperature`, no top-k/top-p: the log-probs are exact.
-2. Gumbel-max with noise hashed from (key, token index, vocab id): a sequence's draws depend on
-   its key alone, not on the rank layout or the batch it shares.
+2. Gumbel-max with float32 noise hashed from (key, token index, global vocab id): a sequence's
+   draws depend on its key alone, not on the rank layout or the batch it shares. Under TP each
+   rank scores its own vocab shard; one all-reduce of per-row candidates picks the token.
 3. Every step goes through `model(...)` or `model.hidden_states(...)`, so FSDP's hooks run; compiled
-   blocks run eagerly.
-4. Sequences that have stopped keep decoding (discarded) until all have, on every rank.
+   blocks run eagerly (`compile_decode` compiles the decode step itself).
+4. The host looks at the stops every `check_every` steps: finished sequences leave the batch there,
+   and between checks they keep decoding (discarded). Peers step until no rank has any left.
 """
 
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.experimental import implicit_replication
 
+from plugin.generation.sampling import _int64, local_vocab, row_seeds, sample_sharded
 from plugin.runtime import internals
 
 
@@ -40,42 +43,6 @@ class Sampler(Protocol):
     def generate(self, prompts: list[list[int]], keys: list[int]) -> Samples: ...
 
 
-# splitmix64's constants as signed int64 (torch has no uint64 arithmetic on every device)
-def _int64(c: int) -> int:
-    return c - (1 << 64) if c >= 1 << 63 else c
-
-
-_GOLDEN, _M1, _M2 = _int64(0x9E3779B97F4A7C15), _int64(0xBF58476D1CE4E5B9), _int64(0x94D049BB133111EB)
-
-
-def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's >> sign-extends)."""
-    return (x >> s) & ((1 << (64 - s)) - 1)
-
-
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finalizer: a bijection of 64-bit ints; int64 products wrap as uint64's do."""
-    x = (x ^ _shr(x, 30)) * _M1
-    x = (x ^ _shr(x, 27)) * _M2
-    return x ^ _shr(x, 31)
-
-
-def uniforms(keys: torch.Tensor, t: int, vocab: int) -> torch.Tensor:
-    """[B, V] float64 in (0, 1): splitmix64's stream of each key's t-th token state, one value per vocab id."""
-    state = _mix(keys + _int64((t + 1) * _GOLDEN % (1 << 64)))  # [B]
-    ids = torch.arange(1, vocab + 1, device=keys.device, dtype=torch.int64)
-    bits = _mix(state[:, None] + ids * _GOLDEN)  # [B, V]
-    return (_shr(bits, 11).double() + 0.5) / 2.0**53  # the top 53 bits, as exact doubles
-
-
-def sample(logits: torch.Tensor, keys: torch.Tensor, t: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token t of each row by Gumbel-max, and its log-prob at `temperature`: ([B], [B] fp32)."""
-    logprobs = F.log_softmax(logits.float() / temperature, dim=-1)  # [B, V]
-    gumbel = -torch.log(-torch.log(uniforms(keys, t, logits.shape[-1])))
-    tokens = torch.argmax(logprobs.double() + gumbel, dim=-1)
-    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
-
-
 def _to_keys(keys: Sequence[int], device) -> torch.Tensor:
     for i, k in enumerate(keys):
         if not -(1 << 63) <= k < 1 << 64:
@@ -87,29 +54,18 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _rows(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """logits[rows, cols] as a plain [n, V] tensor; under TP only those rows are all-gathered."""
-    if not isinstance(logits, DTensor):
-        return logits[rows, cols]
-    picked = logits.to_local()[rows, cols]
-    if all(isinstance(p, Replicate) for p in logits.placements):
-        return picked
-    if not all(isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim % logits.ndim == logits.ndim - 1)
-               for p in logits.placements):
-        raise NotImplementedError(f"sampling from logits placed as {logits.placements}")
-    placements = [p if isinstance(p, Replicate) else Shard(1) for p in logits.placements]
-    shape = (picked.shape[0], logits.shape[-1])
-    return DTensor.from_local(picked, logits.device_mesh, placements, run_check=False, shape=shape,
-                              stride=(shape[1], 1)).full_tensor()
+def _max_rank(value: int, device) -> int:
+    """The largest `value` over the ranks of the default process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    x = torch.tensor([value], device=device)
+    dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return int(x.item())
 
 
 def _any_rank(flag: bool, device) -> bool:
     """Whether `flag` is set on any rank of the default process group."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return flag
-    x = torch.tensor([int(flag)], device=device)
-    dist.all_reduce(x, op=dist.ReduceOp.MAX)
-    return bool(x.item())
+    return bool(_max_rank(int(flag), device))
 
 
 def max_prompt_tokens(seq_len: int, max_new_tokens: int) -> int:
@@ -148,10 +104,22 @@ def generation_mode(model: nn.Module):
 
 class _BaseSampler:
     def __init__(self, model: nn.Module, *, max_new_tokens: int, stop_ids: Sequence[int], temperature: float,
-                 pad_id: int):
-        """`max_new_tokens` >= 1 and `temperature` > 0: [online] and [grpo] check them."""
+                 pad_id: int, max_num_seqs: int = 0, check_every: int = 8,
+                 autocast: Callable[[], AbstractContextManager] = nullcontext, compile_decode: bool = False):
+        """`max_new_tokens` >= 1 and `temperature` > 0: [online] and [grpo] check them.
+
+        max_num_seqs: most sequences one decode batch holds (0: all of the call's); check_every:
+        decode steps between the stop checks, the only host syncs of the decode loop; autocast:
+        the training forward's autocast (torchtitan's maybe_enable_amp), so generation computes in
+        the trainer's dtype; compile_decode: the cached sampler's decode step under torch.compile.
+        """
         self.model, self.max_new_tokens, self.temperature, self.pad_id = model, max_new_tokens, temperature, pad_id
-        self.stop_ids = list(stop_ids)
+        self.stop_ids, self.max_num_seqs, self.check_every = list(stop_ids), max_num_seqs, check_every
+        self.autocast, self.compile_decode = autocast, compile_decode
+        if compile_decode and any(isinstance(m, FSDPModule) for m in model.modules()):
+            # the compiled step would trace FSDP's hooks, which generation_mode keeps eager; not built yet
+            raise NotImplementedError("[online] compile_decode with FSDP (data_parallel_shard_degree > 1): "
+                                      "use it on one rank or TP only")
         self.tp = model.scoring.seq_shards  # sequence parallel shards the sequence dim over the TP ranks
         self.max_seq_len = model.model_args.max_seq_len  # the RoPE table's length
         self.device = next(model.parameters()).device
@@ -171,32 +139,64 @@ class _BaseSampler:
             raise ValueError(error or "a prompt on another rank cannot be sampled from (see that rank's error)")
 
     def generate(self, prompts: list[list[int]], keys: list[int]) -> Samples:
-        """Sample a completion for each prompt; every rank calls this at the same time."""
+        """Sample a completion for each prompt; every rank calls this at the same time.
+
+        With max_num_seqs the prompts go in consecutive calls of at most that many; a sequence's
+        draws depend on its key alone, so the split changes nothing. Peers run as many calls as
+        the rank that needs most (each call's steps hold collectives).
+        """
         self._check(prompts, keys)
-        n = len(prompts)
-        if n == 0:  # this rank still joins every collective of its peers' steps
-            prompts, keys = [[self.pad_id]], [0]
-        keys_t = _to_keys(keys, self.device)
+        cap = self.max_num_seqs or max(len(prompts), 1)
+        calls = _max_rank(max(-(-len(prompts) // cap), 1), self.device)
+        out = Samples([], [], [])
+        for c in range(calls):
+            part = self._generate(prompts[c * cap:(c + 1) * cap], keys[c * cap:(c + 1) * cap])
+            for mine, theirs in zip((out.completions, out.logprobs, out.truncated), part):
+                mine.extend(theirs)
+        return out
+
+    def _generate(self, prompts: list[list[int]], keys: list[int]) -> tuple[list, list, list]:
+        """One decode batch. Every `check_every` steps the host looks at the stops: the batch keeps only
+        its unfinished rows (in multiples of the TP degree, which shards the rows under decode), and
+        ends when no rank has any left. Rows past `n` are padding: done from the start."""
+        n, N, tp = len(prompts), self.max_new_tokens, self.tp
+        B = _round_up(max(n, 1), tp)
+        prompts = prompts + [[self.pad_id]] * (B - n)  # an empty rank still joins every collective of its peers
+        keys_t = _to_keys(list(keys) + [0] * (B - n), self.device)
         stops = torch.tensor(self.stop_ids, dtype=torch.long, device=self.device)
-        B, N = len(prompts), self.max_new_tokens
         tokens = torch.full((B, N), self.pad_id, dtype=torch.long, device=self.device)
         logprobs = torch.zeros((B, N), dtype=torch.float32, device=self.device)
-        done = torch.zeros(B, dtype=torch.bool, device=self.device)
-        done[n:] = True
-        with generation_mode(self.model), self._session(prompts) as step:
+        done = torch.arange(B, device=self.device) >= n
+        live = torch.arange(B, device=self.device)  # the session's rows: indices into tokens
+        with generation_mode(self.model), self.autocast(), self._session(prompts) as session:
             for t in range(N):
-                tokens[:, t], logprobs[:, t] = sample(step(tokens[:, :t]), keys_t, t, self.temperature)
-                done |= torch.isin(tokens[:, t], stops)
+                logits, shard = local_vocab(session.step(t, tokens[live, :t]))
+                tokens[live, t], logprobs[live, t] = sample_sharded(
+                    logits.reshape(-1, logits.shape[-1]), shard, row_seeds(keys_t[live], t), self.temperature)
+                done[live] |= torch.isin(tokens[live, t], stops)
+                if t + 1 == N or (t + 1) % self.check_every:
+                    continue
+                # the one host sync of `check_every` steps; TP peers drew the same tokens, so agree on the rows
+                unfinished = (~done[live]).nonzero().squeeze(-1)
+                count = unfinished.numel()
                 # FSDP and TP peers must run the same number of forwards
-                if t + 1 < N and not _any_rank(not bool(done.all()), self.device):
+                if not _any_rank(count > 0, self.device):
                     break
-        out = Samples([], [], [])
+                rows = _round_up(max(count, 1), tp)
+                if self.compile_decode:  # a few row counts, each compiled once: the next power of two
+                    rows = _round_up(1 << (max(count, 1) - 1).bit_length(), tp)
+                if rows < live.numel():
+                    finished = done[live].nonzero().squeeze(-1)
+                    keep = torch.cat([unfinished, finished[:rows - count]])  # finished rows fill up to `rows`
+                    session.keep(keep)
+                    live = live[keep]
+        out = ([], [], [])
         stop_set = set(self.stop_ids)
         for ids, lps in zip(tokens[:n].tolist(), logprobs[:n].tolist()):
             end = next((j + 1 for j, x in enumerate(ids) if x in stop_set), None)
-            out.completions.append(ids[:end or N])
-            out.logprobs.append(lps[:end or N])
-            out.truncated.append(end is None)
+            out[0].append(ids[:end or N])
+            out[1].append(lps[:end or N])
+            out[2].append(end is None)
         return out
 
     def _positions(self, length: int) -> torch.Tensor:
@@ -214,17 +214,27 @@ class _BaseSampler:
 class KVCache(nn.Module):
     """An Attention's `inner_attention` during generation: attends over a cache of this rank's heads.
 
-    Prefill (`state.positions` None): causal SDPA over [B, H, P, hd], every row from position 0,
-    and its keys/values stored at positions 0..P-1. Decode: the batch folded into the sequence
-    dim, [1, H, B', hd], one token per row at `state.positions[b]`; it is written there, and attends
-    to the row's cache up to it. Right-padding's cache entries sit past a row's next position,
-    so each is overwritten before any query can see it.
+    Prefill (`state.positions` None): causal SDPA over [U, H, P, hd] of the unique prompts, every
+    row from position 0, and its keys/values stored at positions 0..P-1; `expand` then copies each
+    prompt's rows to its sequences. Decode: the batch folded into the sequence dim, [1, H, B', hd],
+    one token per row at `state.positions[b]`; it is written there, and attends to the row's cache
+    up to it. Right-padding's cache entries sit past a row's next position, so each is
+    overwritten before any query can see it.
+
+    The decode query folds each KV head's query heads into SDPA's query-length dim ([B', H_kv,
+    H / H_kv, hd]), so grouped-query attention needs no `enable_gqa` and no copy of K/V, and the
+    per-row cache length is an additive float mask: what the GPU's memory-efficient and cuDNN
+    kernels accept.
     """
 
-    def __init__(self, state: SimpleNamespace, rows: int, length: int):
+    def __init__(self, state: SimpleNamespace, length: int):
         super().__init__()
-        self.state, self.rows, self.length = state, rows, length
+        self.state, self.length = state, length
         self.k = self.v = None  # [B', H_kv local, length, hd]
+
+    def expand(self, index: torch.Tensor) -> None:
+        """Rows `index` of the cache, in order (a prompt's row to each of its sequences; the unfinished rows)."""
+        self.k, self.v = self.k[index], self.v[index]
 
     def forward(self, q, k, v, *, scale=None, enable_gqa: bool = False, **_):
         mesh = placements = None
@@ -233,64 +243,102 @@ class KVCache(nn.Module):
             q, k, v = q.to_local(), k.to_local(), v.to_local()
         positions = self.state.positions
         if positions is None:
-            if self.k is None:
-                shape = (self.rows, k.shape[1], self.length, k.shape[3])
-                self.k, self.v = k.new_zeros(shape), v.new_zeros(shape)
-            B, _, P, _ = k.shape
-            self.k[:B, :, :P], self.v[:B, :, :P] = k, v
+            B, H_kv, P, hd = k.shape
+            self.k = k.new_zeros((B, H_kv, self.length, hd))
+            self.v = v.new_zeros((B, H_kv, self.length, hd))
+            self.k[:, :, :P], self.v[:, :, :P] = k, v
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
         else:
             rows = torch.arange(positions.shape[0], device=positions.device)
             self.k[rows, :, positions] = k[0].transpose(0, 1)  # [B', H_kv, hd]
             self.v[rows, :, positions] = v[0].transpose(0, 1)
             seen = self.state.length
-            mask = torch.arange(seen, device=positions.device) <= positions[:, None]  # [B', seen]
+            _, H, Bq, hd = q.shape
+            H_kv = self.k.shape[1]
+            grouped = q[0].transpose(0, 1).reshape(Bq, H_kv, H // H_kv, hd)  # query head h reads KV head h // (H / H_kv)
             out = F.scaled_dot_product_attention(
-                q.permute(2, 1, 0, 3), self.k[:, :, :seen], self.v[:, :, :seen], attn_mask=mask[:, None, None, :],
-                scale=scale, enable_gqa=enable_gqa,
-            ).permute(2, 1, 0, 3)  # [B', H, 1, hd] -> [1, H, B', hd]
+                grouped, self.k[:, :, :seen], self.v[:, :, :seen], attn_mask=self.state.mask.to(q.dtype), scale=scale)
+            out = out.reshape(Bq, H, hd).transpose(0, 1)[None]  # [1, H, B', hd]
         if mesh is not None:
             out = DTensor.from_local(out, mesh, placements, run_check=False)
         return out
 
 
 class KVCacheSampler(_BaseSampler):
-    """Prefill once, then one token per sequence per step against a KV cache of local heads."""
+    """Prefill each distinct prompt once, then one token per sequence per step against a KV cache of local heads."""
 
     @contextmanager
     def _session(self, prompts: list[list[int]]):
-        B, lengths = len(prompts), [len(p) for p in prompts]
-        rows = _round_up(B, self.tp)  # decode folds the rows into the sequence dim, which TP shards
+        lengths = [len(p) for p in prompts]
+        # a group's G sequences share their prompt: prefill it once, then copy its cache rows
+        unique: dict[tuple, int] = {}
+        index = torch.tensor([unique.setdefault(tuple(p), len(unique)) for p in prompts], device=self.device)
+        firsts = [list(p) for p in unique]
         prefill = _round_up(max(max(lengths) - 1, 1), self.tp)
-        state = SimpleNamespace(positions=None, length=0)
+        state = SimpleNamespace(positions=None, length=0, mask=None)
         cache_len = max(prefill, max(lengths) - 1 + self.max_new_tokens)
         swapped = [(m, m.inner_attention) for m in self.model.modules()
                    if isinstance(getattr(m, "inner_attention", None), nn.Module)]
-        for m, _ in swapped:
-            m.inner_attention = KVCache(state, rows, cache_len)
+        caches = [KVCache(state, cache_len) for _ in swapped]
+        for (m, _), cache in zip(swapped, caches):
+            m.inner_attention = cache
         try:
             # all but each prompt's last token; its logits are not needed
-            self.model.hidden_states(self._padded([p[:-1] for p in prompts], prefill),
+            self.model.hidden_states(self._padded([p[:-1] for p in firsts], prefill),
                                      positions=self._positions(prefill))
-            pad = [self.pad_id] * (rows - B)
-            last = torch.tensor([p[-1] for p in prompts] + pad, device=self.device)  # [B']
-            start = torch.tensor([n - 1 for n in lengths] + [0] * (rows - B), device=self.device)
-            real = torch.arange(rows, device=self.device) < B
-            row_ids = torch.arange(B, device=self.device)
-
-            def step(generated: torch.Tensor) -> torch.Tensor:
-                t = generated.shape[1]
-                if t:
-                    last[:B] = generated[:, -1]
-                state.positions = start + t * real  # padding rows stay at position 0
-                state.length = max(lengths) + t
-                logits = self.model(last[None], positions=state.positions[None])  # [1, B', V]
-                return _rows(logits, torch.zeros_like(row_ids), row_ids)
-
-            yield step
+            for cache in caches:
+                cache.expand(index)
+            session = _Decode(self, state, caches, lengths, prompts)
+            yield session
         finally:
             for m, inner in swapped:
                 m.inner_attention = inner  # drops the caches
+
+
+class _Decode:
+    """The cached sampler's decode steps over its live rows."""
+
+    def __init__(self, sampler: KVCacheSampler, state: SimpleNamespace, caches: list[KVCache],
+                 lengths: list[int], prompts: list[list[int]]):
+        self.sampler, self.state, self.caches = sampler, state, caches
+        device = sampler.device
+        self.starts = [n - 1 for n in lengths]  # host copy: the step's attended length needs no sync
+        self.start = torch.tensor(self.starts, device=device)
+        self.first = torch.tensor([p[-1] for p in prompts], device=device)  # each row's first decode input
+        self.forward = sampler.model
+        if sampler.compile_decode:
+            self.forward = _compiled(sampler.model)
+
+    def step(self, t: int, generated: torch.Tensor) -> torch.Tensor:
+        """[1, B', V] logits of the next token of every live row, given their `generated` [B', t] tokens."""
+        state = self.state
+        last = generated[:, -1] if t else self.first
+        state.positions = self.start + t
+        # compiled: attend over the whole cache (masked), so the step's shapes stay static
+        state.length = self.caches[0].length if self.sampler.compile_decode else max(self.starts) + t + 1
+        # the row's cache up to its own position; an additive mask, built once for every layer
+        seen = torch.arange(state.length, device=last.device)
+        state.mask = torch.zeros(seen.shape, device=last.device).expand(last.shape[0], -1).masked_fill(
+            seen > state.positions[:, None], -torch.inf)[:, None, None, :]  # [B', 1, 1, seen]
+        return self.forward(last[None], positions=state.positions[None])
+
+    def keep(self, index: torch.Tensor) -> None:
+        """Keep rows `index` (the unfinished ones, in this order)."""
+        self.starts = [self.starts[i] for i in index.tolist()]
+        self.start, self.first = self.start[index], self.first[index]
+        for cache in self.caches:
+            cache.expand(index)
+
+
+def _compiled(model: nn.Module) -> Callable:
+    """The decode step's forward under torch.compile; generation_mode's force_eager stance is lifted for it."""
+    compiled = torch.compile(model.forward, dynamic=False)
+
+    def forward(*args, **kwargs):
+        with torch.compiler.set_stance("default"):
+            return compiled(*args, **kwargs)
+
+    return forward
 
 
 class NoCacheSampler(_BaseSampler):
@@ -298,24 +346,47 @@ class NoCacheSampler(_BaseSampler):
 
     @contextmanager
     def _session(self, prompts: list[list[int]]):
-        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
-        longest = max(len(p) for p in prompts)
-        padded = self._padded(prompts, longest)
-        row_ids = torch.arange(len(prompts), device=self.device)
+        yield _FullForward(self, prompts)
 
-        def step(generated: torch.Tensor) -> torch.Tensor:
-            t = generated.shape[1]
-            width = _round_up(longest + t, self.tp)
-            tokens = torch.full((len(prompts), width), self.pad_id, dtype=torch.long, device=self.device)
-            tokens[:, :longest] = padded
-            tokens.scatter_(1, lengths[:, None] + torch.arange(t, device=self.device), generated)
-            logits = self.model(tokens, positions=self._positions(width))  # [B, width, V]
-            return _rows(logits, row_ids, lengths + t - 1)
 
-        yield step
+class _FullForward:
+    """The oracle's steps: the whole sequence of every live row, again."""
+
+    def __init__(self, sampler: NoCacheSampler, prompts: list[list[int]]):
+        self.sampler = sampler
+        self.lengths = torch.tensor([len(p) for p in prompts], device=sampler.device)
+        self.longest = max(len(p) for p in prompts)
+        self.padded = sampler._padded(prompts, self.longest)
+
+    def step(self, t: int, generated: torch.Tensor) -> torch.Tensor:
+        """[B', V] logits of the next token of every live row."""
+        s, B = self.sampler, generated.shape[0]
+        width = _round_up(self.longest + t, s.tp)
+        tokens = torch.full((B, width), s.pad_id, dtype=torch.long, device=s.device)
+        tokens[:, :self.longest] = self.padded
+        tokens.scatter_(1, self.lengths[:, None] + torch.arange(t, device=s.device), generated)
+        logits = s.model(tokens, positions=s._positions(width))  # [B', width, V], vocab-sharded under TP
+        rows = torch.arange(B, device=s.device)
+        if isinstance(logits, DTensor):  # the rows' own positions, on the local vocab shard
+            local_vocab(logits)  # raises for placements the sampler cannot read
+            V = logits.shape[-1]
+            picked = logits.to_local()[rows, self.lengths + t - 1]
+            return DTensor.from_local(picked, logits.device_mesh, _row_placements(logits), run_check=False,
+                                      shape=(B, V), stride=(V, 1))
+        return logits[rows, self.lengths + t - 1]
+
+    def keep(self, index: torch.Tensor) -> None:
+        self.lengths, self.padded = self.lengths[index], self.padded[index]
+
+
+def _row_placements(logits: DTensor) -> list:
+    """A [B, V] row pick's placements from [B, T, V] logits': a vocab shard stays one."""
+    return [Shard(1) if isinstance(p, Shard) else p for p in logits.placements]
 
 
 def build_sampler(model: nn.Module, *, kv_cache: bool, max_new_tokens: int, stop_ids: Sequence[int],
-                  temperature: float, pad_id: int) -> Sampler:
+                  temperature: float, pad_id: int, **options) -> Sampler:
+    """The cached sampler, or the oracle; `options`: _BaseSampler's max_num_seqs, check_every, autocast, compile_decode."""
     cls = KVCacheSampler if kv_cache else NoCacheSampler
-    return cls(model, max_new_tokens=max_new_tokens, stop_ids=stop_ids, temperature=temperature, pad_id=pad_id)
+    return cls(model, max_new_tokens=max_new_tokens, stop_ids=stop_ids, temperature=temperature, pad_id=pad_id,
+               **options)

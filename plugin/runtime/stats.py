@@ -3,6 +3,7 @@
 import time
 from contextlib import contextmanager
 from functools import partial
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -70,9 +71,8 @@ class GRPOStats:
         counts, self.nonfinite = self.nonfinite, None
         return torch.zeros(4, dtype=torch.float64, device=device) if counts is None else counts.to(device)
 
-    @contextmanager
-    def reference_pass(self, device: torch.device):
-        """Time the reference scoring pass and record its peak memory (absolute and growth)."""
+    def _new_peak(self, device: torch.device):
+        """Start a new allocator peak; (torch.cuda or plugin.cpu's stand-in, the memory allocated now)."""
         # torch.cuda's memory queries, or on the CPU plugin.cpu's answers to them (the process's RSS)
         mem = torch.cuda if device.type == "cuda" else cpu.device_module
         # the reset below would hide the step's peak so far from torchtitan's memory/max_* tags:
@@ -81,7 +81,21 @@ class GRPOStats:
         peaks = stats.get("active_bytes.all.peak", 0), stats.get("reserved_bytes.all.peak", 0)
         self.device_peaks = tuple(map(max, self.device_peaks, peaks))
         mem.reset_peak_memory_stats(device)
-        start_mem = stats.get("allocated_bytes.all.current", 0)  # the reset leaves it as it is
+        return mem, stats.get("allocated_bytes.all.current", 0)  # the reset leaves it as it is
+
+    @contextmanager
+    def peak_memory(self, device: torch.device):
+        """Yields a namespace whose `peak` is, after the block, the allocator's peak bytes during it."""
+        mem, _ = self._new_peak(device)
+        out = SimpleNamespace(peak=0)
+        yield out
+        # the allocator's peak is a host-side counter: reading it does not synchronize
+        out.peak = mem.memory_stats(device).get("allocated_bytes.all.peak", 0)
+
+    @contextmanager
+    def reference_pass(self, device: torch.device):
+        """Time the reference scoring pass and record its peak memory (absolute and growth)."""
+        mem, start_mem = self._new_peak(device)
         if device.type == "cuda":
             # events time the pass on the stream without synchronizing; reduce() reads them
             events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -94,7 +108,6 @@ class GRPOStats:
         else:
             self.sums["ref_time"] += time.perf_counter() - start
         self.sums["ref_passes"] += 1
-        # the allocator's peak is a host-side counter: reading it does not synchronize
         peak = mem.memory_stats(device).get("allocated_bytes.all.peak", 0)
         self.peaks["ref_peak_mem"] = max(self.peaks["ref_peak_mem"], peak / GIB)
         self.peaks["ref_peak_growth"] = max(self.peaks["ref_peak_growth"], (peak - start_mem) / GIB)
@@ -157,11 +170,15 @@ class OnlineStats:
     def _clear(self) -> None:
         self.batches, self.gen_time, self.tokens, self.seqs, self.truncated, self.len_max = 0, 0.0, 0, 0, 0, 0
         self.groups_dropped, self.extra_rounds = 0, 0
+        self.gen_peak = 0
         self.rewards: list[list[float]] = [[] for _ in self.reward_names]
 
-    def record(self, gen_time: float, lengths: list[int], truncated: list[bool], rewards: list[list[float]]) -> None:
-        """One sampled global batch: the slowest rank's generation seconds, and every completion's figures."""
+    def record(self, gen_time: float, gen_peak: int, lengths: list[int], truncated: list[bool],
+               rewards: list[list[float]]) -> None:
+        """One sampled global batch: the slowest rank's generation seconds, the largest rank's peak memory
+        during generation (bytes), and every completion's figures."""
         self.batches += 1
+        self.gen_peak = max(self.gen_peak, gen_peak)
         self.gen_time += gen_time
         self.tokens += sum(lengths)
         self.seqs += len(lengths)
@@ -183,6 +200,8 @@ class OnlineStats:
         out = {
             "online/generation_time(s)": self.gen_time / self.batches,
             "online/generation_share": self.gen_time / wall if wall > 0 else 0.0,
+            # next to torchtitan's memory/max_active(GiB), the training step's
+            "online/generation_peak_memory(GiB)": self.gen_peak / GIB,
             "online/generated_tokens_per_s": self.tokens / self.gen_time if self.gen_time > 0 else 0.0,
             "online/completion_length_mean": self.tokens / self.seqs,
             "online/completion_length_max": float(self.len_max),

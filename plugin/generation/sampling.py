@@ -1,0 +1,169 @@
+"""Full-vocabulary Gumbel-max sampling where the logits lie: the noise, a vocab shard's candidates, the pick.
+
+The noise is a hash of (key, token index, global vocab id), so a vocab shard draws exactly the
+full vocabulary's noise for its ids, and a sequence's draws depend on its key alone. Under TP each
+rank scores only its own columns, in blocks (no [B, V] temporary); one all-reduce of five numbers
+per row hands every rank every shard's candidate, and they all pick the same token and its exact
+log-prob from the log-sum-exp pieces.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+
+# splitmix64's constants as signed int64 (torch has no uint64 arithmetic on every device)
+def _int64(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def _int32(c: int) -> int:
+    return c - (1 << 32) if c >= 1 << 31 else c
+
+
+_GOLDEN, _M1, _M2 = _int64(0x9E3779B97F4A7C15), _int64(0xBF58476D1CE4E5B9), _int64(0x94D049BB133111EB)
+# murmur3's fmix32 constants and the 32-bit golden ratio, as signed int32
+_GOLDEN32, _F1, _F2, _F3 = _int32(0x9E3779B9), _int32(0x85EBCA6B), _int32(0xC2B2AE35), _int32(0x27D4EB2F)
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> sign-extends)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _shr32(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int32."""
+    return (x >> s) & ((1 << (32 - s)) - 1)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer: a bijection of 64-bit ints; int64 products wrap as uint64's do."""
+    x = (x ^ _shr(x, 30)) * _M1
+    x = (x ^ _shr(x, 27)) * _M2
+    return x ^ _shr(x, 31)
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """murmur3's fmix32: a bijection of 32-bit ints; int32 products wrap as uint32's do."""
+    x = (x ^ _shr32(x, 16)) * _F1
+    x = (x ^ _shr32(x, 13)) * _F2
+    return x ^ _shr32(x, 16)
+
+
+def row_seeds(keys: torch.Tensor, t: int) -> torch.Tensor:
+    """[B, 2] int32: two 32-bit seeds of each key's t-th token, from splitmix64's stream of the key."""
+    state = _mix(keys + _int64((t + 1) * _GOLDEN % (1 << 64)))  # [B] int64
+    # the narrowing casts keep the low 32 bits, as two's complement does
+    return torch.stack([state.to(torch.int32), _shr(state, 32).to(torch.int32)], dim=-1)
+
+
+def gumbel(seeds: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    """[B, count] float32 Gumbel noise for the global vocab ids start..start+count-1 of each row's seeds.
+
+    Hashed from (seeds, global id) alone, so a vocab shard draws exactly the full vocabulary's noise
+    for its ids. The noise is -log(E) with E = -log(1 - v) ~ Exp(1): v's float32 resolution is finest
+    near 0, where E is small and the noise large, i.e. where the winners' noise lives; the largest
+    value is 22.9 (v = 2^-32), so a truncated tail is as rare as 1e-10 per draw.
+    """
+    ids = torch.arange(start, start + count, dtype=torch.int32, device=seeds.device)
+    h = _mix32(ids * _GOLDEN32 + seeds[:, :1])  # [B, count]
+    # the second seed enters after the mix: rows whose first seeds differ by a multiple of the
+    # golden ratio would otherwise draw shifted copies of one stream
+    h = (h ^ seeds[:, 1:]) * _F3
+    h = h ^ _shr32(h, 15)
+    v = _shr32(h, 1).float() * 2.0**-31 + 2.0**-32  # (0, 1]: float32 rounds the largest 31-bit values up to 1
+    v = v.clamp_max_(1 - 2.0**-24)  # the largest float32 below 1: E stays finite
+    return torch.log1p(-v).neg_().log_().neg_()
+
+
+# candidate columns per row: the best score, its global vocab id, its scaled logit, the row's
+# max scaled logit and sum of exp(scaled logit - max) over the shard
+_CANDIDATE = 5
+# [B, block] float32 temporaries: ~1 MiB on a CPU, so each block's passes stay in its cache; 128 MiB
+# on a GPU, where each block's passes are ~20 kernel launches and the cache is no concern
+_BLOCK_ELEMENTS = {"cpu": 1 << 18, "cuda": 1 << 25}
+
+
+def shard_candidates(logits: torch.Tensor, seeds: torch.Tensor, start: int, temperature: float) -> torch.Tensor:
+    """[B, 5] float32: a vocab shard's Gumbel-max candidate per row and its log-sum-exp pieces.
+
+    `logits` [B, V_shard] hold the global vocab ids start..start+V_shard-1. The shard is read in
+    blocks of columns, so no [B, V] temporary exists. Ties keep the lower vocab id.
+    """
+    B, V = logits.shape
+    block = max(1024, _BLOCK_ELEMENTS.get(logits.device.type, 1 << 18) // max(B, 1))
+    best = torch.full((B,), -torch.inf, device=logits.device)
+    best_id, best_z = torch.zeros(B, device=logits.device), torch.zeros(B, device=logits.device)
+    m, s = torch.full((B,), -torch.inf, device=logits.device), torch.zeros(B, device=logits.device)
+    for c0 in range(0, V, block):
+        z = logits[:, c0:c0 + block].float() / temperature  # [B, C]
+        score = gumbel(seeds, start + c0, z.shape[1]).add_(z)
+        value, index = score.max(dim=-1)  # the first of equal maxima
+        better = value > best  # strictly: an earlier block's (lower) id wins a tie
+        best = torch.where(better, value, best)
+        best_id = torch.where(better, (index + start + c0).float(), best_id)  # exact below 2^24
+        best_z = torch.where(better, z.gather(-1, index[:, None]).squeeze(-1), best_z)
+        m_new = torch.maximum(m, z.amax(dim=-1))
+        s = s * torch.exp(m - m_new) + torch.exp(z - m_new[:, None]).sum(dim=-1)  # online log-sum-exp
+        m = m_new
+    return torch.stack([best, best_id, best_z, m, s], dim=-1)
+
+
+def pick(candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token and log-prob ([B], [B] fp32) from every shard's candidates [R, B, 5], shards in vocab order."""
+    winner = candidates[..., 0].argmax(dim=0)  # [B]; the first (lowest-id) shard of equal maxima
+    row = candidates.gather(0, winner[None, :, None].expand(1, -1, _CANDIDATE))[0]  # [B, 5]
+    m, s = candidates[..., 3], candidates[..., 4]  # [R, B]
+    top = m.amax(dim=0)
+    lse = top + torch.log((s * torch.exp(m - top)).sum(dim=0))
+    return row[:, 1].long(), row[:, 2] - lse
+
+
+def sample(logits: torch.Tensor, keys: torch.Tensor, t: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token t of each row by Gumbel-max over plain [B, V] logits, and its log-prob at `temperature`."""
+    return pick(shard_candidates(logits, row_seeds(keys, t), 0, temperature)[None])
+
+
+@dataclass
+class VocabShard:
+    """Where a rank's logits columns sit in the vocabulary, and the group that holds the other shards."""
+
+    start: int
+    rank: int = 0
+    size: int = 1
+    group: dist.ProcessGroup | None = None
+
+
+def local_vocab(logits: torch.Tensor) -> tuple[torch.Tensor, VocabShard]:
+    """This rank's logits columns and their place: the output layer's vocab shards stay where they are."""
+    if not isinstance(logits, DTensor):
+        return logits, VocabShard(0)
+    local, last = logits.to_local(), logits.ndim - 1
+    sharded = [d for d, p in enumerate(logits.placements) if isinstance(p, Shard) and p.dim % logits.ndim == last]
+    if len(sharded) + sum(isinstance(p, Replicate) for p in logits.placements) != len(logits.placements) \
+            or len(sharded) > 1:
+        raise NotImplementedError(f"sampling from logits placed as {logits.placements}")
+    if not sharded:
+        return local, VocabShard(0)
+    mesh, d = logits.device_mesh, sharded[0]
+    rank, size = mesh.get_local_rank(d), mesh.size(d)
+    chunk = -(-logits.shape[-1] // size)  # Shard follows torch.chunk: equal chunks, the last one shorter
+    return local, VocabShard(min(rank * chunk, logits.shape[-1]), rank, size, mesh.get_group(d))
+
+
+def sample_sharded(logits: torch.Tensor, shard: VocabShard, seeds: torch.Tensor,
+                   temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gumbel-max over a vocab shard's [B, V_shard] logits: every rank of the shard's group picks the same token.
+
+    Each rank scores only its columns; one all-reduce of [shards, B, 5] per-row values (each rank
+    fills its slot, the rest are zeros, so the sum is exact) hands every rank every shard's candidate.
+    """
+    mine = shard_candidates(logits, seeds, shard.start, temperature)
+    if shard.group is None:
+        return pick(mine[None])
+    candidates = mine.new_zeros((shard.size, *mine.shape))
+    candidates[shard.rank] = mine
+    dist.all_reduce(candidates, group=shard.group)
+    return pick(candidates)
