@@ -17,7 +17,7 @@ from plugin.data.batch import BatchPlan, Collate, advantages
 from plugin.config import GRPO, Online
 from plugin.job import GRPOJob
 from plugin.runtime.metrics import GRPOMetricsProcessor
-from plugin.data.online import OnlineDataset, load_prompts, sample_key
+from plugin.data.online import OnlineDataset, load_prompts, sample_key, score_once
 from plugin.runtime.stats import GRPOStats, OnlineStats
 from plugin.data.rewards import RewardError, load_reward_fns, score
 from plugin.data.rollouts import Encoder, RolloutError
@@ -356,9 +356,9 @@ def _tp_rewards(rank, world_size, tmp):
     it = iter(ds)
     batch = [next(it)[0]["rollouts"] for _ in range(2)]
     torch.save([(r.rewards, r.advantages) for r in batch], tmp / f"batch-{rank}.pt")
-    ds.reward_fns = load_reward_fns(["reward_fns:raises_on_rank_1"], [])
+    fns = load_reward_fns(["reward_fns:raises_on_rank_1"], [])
     with pytest.raises(RewardError) as failure:  # rank 1's failure stops rank 0 too, which would wait for it
-        ds._score(["p"] * 4, ["c"] * 4, [[1]] * 4, {}, ["p.jsonl:1"] * 4)
+        score_once(fns, dist.group.WORLD, ["p"] * 4, ["c"] * 4, [[1]] * 4, {}, ["p.jsonl:1"] * 4)
     assert "sandbox unreachable" in str(failure.value)
 
 
