@@ -119,6 +119,7 @@ def main() -> None:
     parser.add_argument("--prompts", default=str(HELDOUT))
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--results", default=str(RESULTS))
+    parser.add_argument("--steps", type=int, nargs="+", help="score only these checkpoint steps (default: all)")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
@@ -131,6 +132,8 @@ def main() -> None:
     cache = json.loads(cache_file.read_text()) if cache_file.exists() else {}
     scored = {}
     for step, folder in sorted({0: start, **checkpoints(dump)}.items()):
+        if args.steps and step not in [0, *args.steps]:
+            continue
         key = f"{folder.resolve()}@{folder.stat().st_mtime_ns}"
         if key not in cache:
             t0, c0 = time.perf_counter(), time.process_time()
@@ -147,12 +150,14 @@ def main() -> None:
     results.mkdir(parents=True, exist_ok=True)
     with open(results / "smollm2_learning.csv", "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["step", "train_reward_mean", "step_time_s", "generation_time_s", "transformers_accuracy",
-                         "transformers_bare_number", "run_eval_accuracy", "run_eval_bare_number"])
+        writer.writerow(["step", "train_reward_mean", "train_sum_correct", "train_truncated", "entropy", "step_time_s",
+                         "generation_time_s", "transformers_accuracy", "transformers_bare_number", "run_eval_accuracy",
+                         "run_eval_bare_number"])
         for s in sorted(set(tags) | set(scored) | set(logged)):
             t, a, e = tags.get(s, {}), scored.get(s, {}), logged.get(s, {})
             r = lambda d, k: round(d[k], 4) if k in d else ""  # noqa: E731
-            writer.writerow([s, r(t, "grpo/reward_mean"), r(t, "time_metrics/end_to_end(s)"),
+            writer.writerow([s, r(t, "grpo/reward_mean"), r(t, "online/reward/sum_correct_mean"),
+                             r(t, "online/truncated_fraction"), r(t, "grpo/entropy"), r(t, "time_metrics/end_to_end(s)"),
                              r(t, "online/generation_time(s)"), r(a, "accuracy"), r(a, "bare_number"),
                              r(e, "accuracy"), r(e, "bare_number")])
 
@@ -165,10 +170,14 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4))
-    xs = sorted(s for s in tags if "grpo/reward_mean" in tags[s])
+    xs = sorted(s for s in tags if "online/reward/sum_correct_mean" in tags[s])
     if xs:
-        ax.plot(xs, [tags[s]["grpo/reward_mean"] / 1.25 for s in xs], color="lightgray", lw=0.8,
-                label="train reward / 1.25 (2 prompts x 8, T = 1)")
+        ax.plot(xs, [tags[s]["online/reward/sum_correct_mean"] for s in xs], color="lightgray", lw=0.8,
+                label="train replies right (2 prompts x 8, T = 1)")
+        ax.plot(xs, [tags[s]["online/truncated_fraction"] for s in xs], color="tan", lw=0.8,
+                label="train replies cut at 16 tokens")
+        ax.plot(xs, [tags[s]["grpo/entropy"] for s in xs], ":", color="purple", lw=1,
+                label="policy entropy (nats / token)")
     for data, style, name in ((scored, "o-", "transformers greedy"), (logged, "s--", "the run's greedy evaluation")):
         if data:
             ks = sorted(data)
@@ -176,7 +185,7 @@ def main() -> None:
             ax.plot(ks, [data[k]["bare_number"] for k in ks], style, alpha=0.4, label=f"bare-number replies, {name}")
     minutes = (sum(step_s) - sum(eval_s)) / 60
     ax.set_xlabel(f"GRPO step (0: the start weights); {len(step_s)} steps in {minutes:.1f} min without evaluations")
-    ax.set_ylabel("share of 256 held-out prompts")
+    ax.set_ylabel("share (entropy: nats)")
     ax.set_ylim(0, 1)
     ax.set_title("SmolLM2-135M-Instruct, online GRPO on 'What is a + b?': last number of the greedy reply", fontsize=8)
     ax.legend(fontsize=6.5, loc="upper left")
