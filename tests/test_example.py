@@ -331,3 +331,15 @@ def test_committed_sum_prompts_are_disjoint_and_match_the_script(tmp_path):
     assert len(train) == 2048 and len(heldout) == 256
     assert not {pair(r) for r in train} & {pair(r) for r in heldout}  # not even as b + a
     assert all(r["answer"] == sum(map(int, re.findall(r"\d+", r["prompt"][0]["content"]))) for r in train + heldout)
+
+
+def test_smollm2_online_config_names_the_sum_rewards_and_files():
+    from torchtitan.config import ConfigManager
+
+    from plugin.data.rewards import load_reward_fns
+
+    job = ConfigManager().parse_args(["--job.config_file", str(REPO / "train_configs/smollm2_online_cpu.toml")])
+    fns = load_reward_fns(job.online.reward_funcs, job.online.reward_weights)
+    assert [(f.fn, f.weight) for f in fns] == [(example.sum_correct, 1.0), (example.sum_format, 0.25)]
+    assert job.online.stop_token_ids == [example.SMOLLM2_EOS]
+    assert (REPO / job.training.dataset_path).is_file() and (REPO / job.validation.dataset_path).is_file()
