@@ -99,3 +99,42 @@ def prompt_pool(split: str, compare: bool = False) -> list[str]:
         for b in range(OPERAND_MAX + 1)
         if is_heldout(prompt := make_prompt(a, op, b)) == want_heldout
     ]
+
+
+# SmolLM2-135M-Instruct's example (train_configs/smollm2_online_cpu.toml): two-number sums asked
+# through its chat template. Greedy, it gets about a quarter right and often shows its working
+# ("20 + 13 = 33"), so a group mixes right and wrong replies from the first step.
+SUM_OPERANDS = range(2, 50)
+_INTEGER = re.compile(r"-?\d+")
+_ONLY_NUMBER = re.compile(r"\s*-?\d+\.?\s*")
+SMOLLM2_EOS = 2  # <|im_end|>, the end of an assistant turn and [online] stop_token_ids
+
+
+def sum_question(a: int, b: int) -> list[dict]:
+    """The conversational prompt for a + b (the chat template adds SmolLM2's default system message)."""
+    return [{"role": "user", "content": f"What is {a} + {b}? Reply with only the number."}]
+
+
+def _reply(completion) -> str:
+    """A completion's text: as given, or the assistant message's content after a conversational prompt."""
+    return completion[-1]["content"] if isinstance(completion, list) else completion
+
+
+def sum_correct(prompts, completions, completion_ids=None, answer=None, **columns) -> list[float]:
+    """1.0 iff the reply's last integer is the row's `answer` column, else 0.0 (working shown is allowed)."""
+    rewards = []
+    for completion, right in zip(completions, answer, strict=True):
+        numbers = _INTEGER.findall(_reply(completion))
+        rewards.append(1.0 if numbers and int(numbers[-1]) == int(right) else 0.0)
+    return rewards
+
+
+def sum_format(prompts, completions, completion_ids, **columns) -> list[float]:
+    """0.5 if the reply ended by itself (<|im_end|>, not cut at max_new_tokens), plus 0.5 if it is one integer
+    and nothing else (a final period and spaces allowed), right or wrong.
+
+    The start weights run on after their working ("20 + 13 = 33\\n\\nThis is a classic example"), so the
+    half mark for stopping gives a signal before any reply is a bare number.
+    """
+    return [0.5 * (bool(ids) and ids[-1] == SMOLLM2_EOS) + 0.5 * bool(_ONLY_NUMBER.fullmatch(_reply(c)))
+            for c, ids in zip(completions, completion_ids, strict=True)]

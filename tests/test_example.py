@@ -1,10 +1,12 @@
 import json
+import re
 from pathlib import Path
 
 import pytest
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
 import example_data  # data/, the script that writes the bundled files
+import smollm2_data  # data/, the SmolLM2 example's prompt files
 from plugin import example
 
 REPO = Path(__file__).resolve().parents[1]
@@ -293,3 +295,51 @@ def test_compare_heldout_disjoint_from_training():
     trained = {row["prompt"] for path in (COMPARE_WARMUP, COMPARE_PROMPTS) for row in read_rows(path)}
     assert len(heldout) == 256 and all(example.is_heldout(p) for p in heldout)
     assert not heldout & trained and not any(example.is_heldout(p) for p in trained)
+
+
+# The SmolLM2 example's rewards (train_configs/smollm2_online_cpu.toml), on TRL's conversational completions
+def _said(text: str) -> list[dict]:
+    return [{"role": "assistant", "content": text}]
+
+
+@pytest.mark.parametrize(
+    "reply, ids, correct, form",
+    [
+        ("33", [1237, 2], 1.0, 1.0),
+        (" 33.", [1237, 30, 2], 1.0, 1.0),
+        ("20 + 13 = 33", [34, 32, 2], 1.0, 0.5),  # working shown: right, half the format mark for stopping
+        ("20 + 13 = 33\n\nThis is a classic example", [34, 32, 198], 1.0, 0.0),  # cut at max_new_tokens
+        ("32", [1237, 2], 0.0, 1.0),
+        ("The answer is 33, not 32", [504, 2], 0.0, 0.5),  # the last number counts
+        ("thirty-three", [504, 2], 0.0, 0.5),
+        ("", [2], 0.0, 0.5),
+    ],
+)
+def test_sum_rewards(reply, ids, correct, form):
+    prompts = [example.sum_question(20, 13)]
+    assert example.sum_correct(prompts, [_said(reply)], [ids], answer=[33]) == [correct]
+    assert example.sum_format(prompts, [_said(reply)], [ids], answer=[33]) == [form]
+    assert example.sum_correct([prompts[0][0]["content"]], [reply], [ids], answer=[33]) == [correct]  # plain text too
+
+
+def test_committed_sum_prompts_are_disjoint_and_match_the_script(tmp_path):
+    smollm2_data.main(["--out-dir", str(tmp_path)])
+    for name in ("smollm2_sum_prompts.jsonl", "smollm2_sum_heldout.jsonl"):
+        assert (tmp_path / name).read_bytes() == (REPO / "data" / name).read_bytes(), name
+    train, heldout = (read_rows(REPO / "data" / n) for n in ("smollm2_sum_prompts.jsonl", "smollm2_sum_heldout.jsonl"))
+    pair = lambda r: frozenset(map(int, re.findall(r"\d+", r["prompt"][0]["content"])))  # noqa: E731
+    assert len(train) == 2048 and len(heldout) == 256
+    assert not {pair(r) for r in train} & {pair(r) for r in heldout}  # not even as b + a
+    assert all(r["answer"] == sum(map(int, re.findall(r"\d+", r["prompt"][0]["content"]))) for r in train + heldout)
+
+
+def test_smollm2_online_config_names_the_sum_rewards_and_files():
+    from torchtitan.config import ConfigManager
+
+    from plugin.data.rewards import load_reward_fns
+
+    job = ConfigManager().parse_args(["--job.config_file", str(REPO / "train_configs/smollm2_online_cpu.toml")])
+    fns = load_reward_fns(job.online.reward_funcs, job.online.reward_weights)
+    assert [(f.fn, f.weight) for f in fns] == [(example.sum_correct, 1.0), (example.sum_format, 0.25)]
+    assert job.online.stop_token_ids == [example.SMOLLM2_EOS]
+    assert (REPO / job.training.dataset_path).is_file() and (REPO / job.validation.dataset_path).is_file()
