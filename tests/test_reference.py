@@ -260,7 +260,7 @@ def test_reference_starts_from_hf_initial_weights(tmp_path, exports):
     reference = reference_of(read_checkpoint(tmp_path / "checkpoint/step-2"))
     assert set(reference) == set(expected)
     assert all(torch.equal(reference[k], v) for k, v in expected.items())
-    assert scalars_bystep(tmp_path)["grpo/kl"][1] == 0
+    assert scalars_by_step(tmp_path)["grpo/kl"][1] == 0
 
 
 RESUME_STEPS, RESUME_AT = 6, 3
@@ -281,7 +281,7 @@ def resumed_runs(tmp_path_factory, seed_checkpoint, exports) -> dict:
 
 
 def test_resume_continues_bitwise(resumed_runs):
-    straight, split = (scalars_bystep(resumed_runs[k]) for k in ("straight", "split"))
+    straight, split = (scalars_by_step(resumed_runs[k]) for k in ("straight", "split"))
     assert sorted(split["loss_metrics/global_avg_loss"]) == list(range(1, RESUME_STEPS + 1))
     for tag in ("loss_metrics/global_avg_loss", "grad_norm", "grpo/kl"):
         assert split[tag] == straight[tag], tag
@@ -301,7 +301,7 @@ def test_beta_zero_run_has_no_reference(tmp_path, seed_checkpoint):
                   "--checkpoint.no-last-save-model-only", "--checkpoint.interval", "1000")
     log = proc.stdout + proc.stderr
     assert "[grpo] beta = 0: no reference model is built" in log and "Reference model" not in log
-    tags = scalars_bystep(tmp_path)
+    tags = scalars_by_step(tmp_path)
     assert "loss_metrics/global_avg_loss" in tags
     assert not [t for t in tags if t.startswith("grpo/ref_")]
     assert not reference_of(read_checkpoint(tmp_path / "checkpoint/step-2"))

@@ -323,5 +323,7 @@ def test_online_run_on_chat_prompts_agrees_with_its_sampler_and_exports_for_tran
             greedy = model.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:].tolist()
         assert row["completion_ids"] == greedy, (messages, row["completion"])
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # still tied
-    # 2 AdamW steps at lr 1e-5 moved the weights, a little: the export holds the trained policy, not the start
-    assert 0 < (trained - before).abs().max() < 5
+    # the export holds the trained policy, not the start: the weights moved, by no more than the 2 warm-up steps'
+    # learning rates allow (Adam moves an element by about lr a step; debug_cpu.toml: 1e-3 over 4 warm-up steps)
+    moved = max((p - q).abs().max().item() for p, q in zip(model.parameters(), original.parameters()))
+    assert 0 < moved < 1e-3 and (trained - before).abs().max() > 0
