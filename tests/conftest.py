@@ -9,6 +9,7 @@ import traceback
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -60,6 +61,13 @@ def run_ranks(world_size: int, fn, *args) -> None:
             rank, tb = errors.get()
             msgs.append(f"--- rank {rank} ---\n{tb}")
         pytest.fail("\n".join(msgs) or "a rank failed", pytrace=False)
+
+
+def ranks_result(tmp_path_factory, name: str, world_size: int, fn, *args):
+    """fn(rank, world_size, out, *args) on gloo ranks, and what rank 0 saved with torch.save at `out`."""
+    out = tmp_path_factory.mktemp(name) / "results.pt"
+    run_ranks(world_size, fn, str(out), *args)
+    return torch.load(out)
 
 
 def torchrun(nproc: int, config: str, *overrides: str, env: dict | None = None, timeout: int = 600):

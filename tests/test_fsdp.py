@@ -10,7 +10,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
-from conftest import build_model, run_ranks
+from conftest import build_model, ranks_result, run_ranks
 
 B, T = 4, 16
 
@@ -113,9 +113,7 @@ def _chunked_head_comms(rank, world_size, out):
 
 @pytest.fixture(scope="module")
 def chunked_head(tmp_path_factory):
-    out = tmp_path_factory.mktemp("chunked_head") / "results.pt"
-    run_ranks(2, _chunked_head_comms, str(out))
-    return torch.load(out)
+    return ranks_result(tmp_path_factory, "chunked_head", 2, _chunked_head_comms)
 
 
 def test_chunked_scoring_gathers_and_reduces_the_head_once(chunked_head):

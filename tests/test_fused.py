@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from conftest import build_model, run_ranks
+from conftest import build_model, ranks_result, run_ranks
 from plugin.data.batch import Rollouts, loss_weights
 from plugin.scoring.logprobs import Scoring, blocked_logprobs, chunked_logprobs, compute_logprobs_and_entropy, fused_chunked_loss
 from test_logprobs import (
@@ -246,9 +246,7 @@ def _fsdp_fused(rank, world_size, out):
 
 @pytest.fixture(scope="module")
 def fsdp_fused(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp_fused") / "results.pt"
-    run_ranks(2, _fsdp_fused, str(out))
-    return torch.load(out)
+    return ranks_result(tmp_path_factory, "fsdp_fused", 2, _fsdp_fused)
 
 
 @pytest.mark.parametrize("case", [c for c in FSDP_CASES if c != "bf16"])
@@ -365,9 +363,7 @@ def _sequence_ranks(rank, world_size, out):
 
 @pytest.fixture(scope="module")
 def sequence_ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sequence_ranks") / "results.pt"
-    run_ranks(2, _sequence_ranks, str(out))
-    return torch.load(out)
+    return ranks_result(tmp_path_factory, "sequence_ranks", 2, _sequence_ranks)
 
 
 @pytest.mark.parametrize("layout", ["tp2", "fsdp2"])
