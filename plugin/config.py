@@ -77,8 +77,8 @@ class GRPO:
     logprob_chunk_size: int = 0
     """Deprecated (memory grows with the batch size): sequence positions of each sequence per chunk; > 0 overrides logprob_chunk_tokens / _mib."""
 
-    fused_policy_pass: bool = False
-    """Compute each chunk's loss gradients (hidden states, head weights) inside the policy's forward, so nothing is recomputed in backward."""
+    fused_policy_pass: bool = True
+    """Compute each chunk's loss gradients (hidden states, head weights) inside the policy's forward, so nothing is recomputed in backward; false: log-probs to the loss, each chunk recomputed in backward."""
 
     on_nonfinite: Literal["raise", "skip"] = "raise"
     """A NaN/inf advantage, log-prob, loss or gradient stops the run at that step (raise) or drops the step's update (skip)."""

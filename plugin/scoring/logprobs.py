@@ -235,15 +235,15 @@ def _block_stats(z, index, m, s, u, picked, temperature):
     return m_new, s * scale + e.sum(-1), u, torch.where(hit, label_logit, picked)
 
 
-def _block_grad(z, index, lse, entropy, d_logprob, d_entropy, temperature):
-    """d loss / d logits of one vocab block, in the logits' dtype, from the loss's per-token derivatives."""
+def _block_grad(z, index, lse, entropy, d_logprob, d_entropy, temperature, dtype):
+    """d loss / d logits of one vocab block, in `dtype`, from the loss's per-token derivatives."""
     logp = _scaled(z, temperature) - lse[:, None]
     p = logp.exp()
     # d logprob / dz = onehot - p; d entropy / dz = -p * (log p + H)
     dz = -p * (d_logprob[:, None] + d_entropy[:, None] * (logp + entropy[:, None]))
     hit = (index >= 0) & (index < z.shape[1])
     dz = dz.scatter_add(1, index.clamp(0, z.shape[1] - 1)[:, None], torch.where(hit, d_logprob, 0.0)[:, None])
-    return (dz / temperature).to(z.dtype)
+    return (dz / temperature).to(dtype)
 
 
 class _Vocab:
@@ -262,6 +262,9 @@ class _Vocab:
         self.block_stats, self.block_grad = (maybe_compiled(f, scoring.compiled, scoring.backend)
                                              for f in (_block_stats, _block_grad))
         self.buffer = None
+        # the gradient products' operands: CUDA multiplies bf16 into fp32 (mm's out_dtype); the CPU has no such
+        # kernel (torch 2.13), so there they are fp32
+        self.product_dtype = self.w.dtype if self.w.device.type == "cuda" else torch.float32
 
     def logits(self, x: torch.Tensor, w_b: torch.Tensor) -> torch.Tensor:
         """x @ w_b.T [N, Vb], into one buffer that every block reuses: on CPU glibc may map and page-fault a
@@ -297,11 +300,16 @@ class _Vocab:
         lse = m + s.log()
         return lse, torch.where(label == IGNORE_INDEX, 0.0, picked - lse), None if u is None else lse - u / s
 
-    def logit_grads(self, x, label, lse, entropy, d_logprob, d_entropy):
-        """(first row, weight block, d loss / d logits [N, Vb] in the weight's dtype) of each block."""
-        for v, w_b in self.blocks:
-            yield v, w_b, self.block_grad(self.logits(x, w_b), label - self.offset - v, lse, entropy, d_logprob,
-                                          d_entropy, self.temperature)
+    def logit_grad(self, v, w_b, x, label, lse, entropy, d_logprob, d_entropy):
+        """d loss / d logits [N, Vb] of the block of rows [v, v + Vb), in `product_dtype`."""
+        return self.block_grad(self.logits(x, w_b), label - self.offset - v, lse, entropy, d_logprob, d_entropy,
+                               self.temperature, self.product_dtype)
+
+
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b in fp32, so that a product is not rounded to bf16 before it is summed with others: from bf16
+    operands with mm's `out_dtype` (CUDA, torch >= 2.8), else from fp32 operands (_Vocab.product_dtype)."""
+    return a @ b if a.dtype == torch.float32 else torch.mm(a, b, out_dtype=torch.float32)
 
 
 def _head_input(norm: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
@@ -374,11 +382,10 @@ def fused_chunked_loss(
 
     def run(hidden):
         flat_hidden = hidden.detach().reshape(1, n, hidden.shape[-1])  # [1, n, D]
-        grad_hidden = torch.zeros_like(flat_hidden)
-        grads = [None] * (len(params) - 1)
-        grad_w = torch.zeros_like(vocab.w)
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         logprobs, entropy = torch.zeros(2, B * T, device=labels.device)
+        chunks = []
+        # a chunk at a time: the output layer's input, the running log-sum-exp, the loss and its per-token derivatives
         for start in range(0, n, k):
             h_c = flat_hidden[:, start : start + k].requires_grad_()
             index = index_by_shard[:, start : start + k].reshape(-1)  # [S * k] positions in [B * T]
@@ -392,16 +399,30 @@ def fused_chunked_loss(
                 loss_c = token_loss(lp, ent if entropy_grad else ent.detach(), index)
             d_lp, d_ent = torch.autograd.grad(loss_c, [lp, ent], allow_unused=True, materialize_grads=True)
             d_lp = torch.where(label == IGNORE_INDEX, 0.0, d_lp)
-            grad_x = torch.zeros_like(x_c, dtype=torch.float32)
-            for v, w_b, g in vocab.logit_grads(x_c, label, lse, ent.detach(), d_lp, d_ent):
-                grad_x += g @ w_b  # g: [N, Vb]
-                grad_w[v : v + w_b.shape[0]].addmm_(g.T, x_c)
+            loss += loss_c.detach()
+            logprobs[index], entropy[index] = lp.detach(), ent.detach()
+            chunks.append((h_c, x, x_c, x_c.to(vocab.product_dtype), (label, lse, ent.detach(), d_lp, d_ent)))
+        # a vocab block at a time, over every chunk. The products come out in fp32 and are summed in fp32: each
+        # block's weight gradient over all tokens, each chunk's input gradient over all blocks; each is rounded
+        # to the weight's dtype once, as one matmul over the whole batch or vocabulary would round it.
+        grad_xs = [torch.zeros_like(x_c, dtype=torch.float32) for _, _, x_c, _, _ in chunks]
+        grad_w = torch.empty_like(vocab.w)
+        for v, w_b in vocab.blocks:
+            w_op = w_b.to(vocab.product_dtype)
+            grad_w_b = torch.zeros_like(w_b, dtype=torch.float32)
+            for (_, _, x_c, x_op, terms), grad_x in zip(chunks, grad_xs):
+                g = vocab.logit_grad(v, w_b, x_c, *terms)  # [N, Vb]
+                grad_x += _mm_fp32(g, w_op)
+                grad_w_b += _mm_fp32(g.T, x_op)
+            grad_w[v : v + w_b.shape[0]] = grad_w_b
+        # back through the norm (under TP, each rank's part of the gathered chunk), a chunk at a time
+        grad_hidden = torch.empty_like(flat_hidden)
+        grads = [None] * (len(params) - 1)
+        for start, (h_c, x, *_), grad_x in zip(range(0, n, k), chunks, grad_xs):
             g_h, *g_norm = torch.autograd.grad(x, [h_c, *params[:-1]], grad_x.to(x.dtype).view_as(x))
             grad_hidden[:, start : start + k] = g_h
             # out of place: a DTensor gradient may come Partial (a replicated norm weight's under TP)
             grads = [g if acc is None else acc + g for acc, g in zip(grads, g_norm)]
-            loss += loss_c.detach()
-            logprobs[index], entropy[index] = lp.detach(), ent.detach()
         if vocab.sharded:
             grad_w = DTensor.from_local(grad_w, weight.device_mesh, weight.placements, shape=weight.shape,
                                         stride=weight.stride())
