@@ -16,11 +16,13 @@ B, T = 4, 16
 
 
 def build(*overrides):
+    """The model on FSDP=2; its log-probs go to each test's own loss, so the unfused policy pass (the fused one
+    takes its gradients inside forward and returns detached log-probs)."""
     from torchtitan.distributed import ParallelDims
 
     pd = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=2)
     model, *_ = build_model("--parallelism.tensor_parallel_degree", "1", "--parallelism.data_parallel_shard_degree",
-                            "2", *overrides, parallel_dims=pd)
+                            "2", "--grpo.no_fused_policy_pass", *overrides, parallel_dims=pd)
     return model
 
 

@@ -41,9 +41,15 @@ def train_step(model, container, loss_fn, inject: str | None, monkeypatch, seed=
     if inject == "reference log-probs":
         logprobs = model.reference.logprobs
         monkeypatch.setattr(model.reference, "logprobs", lambda *a, **k: nan_at_completion(logprobs(*a, **k)))
-    if inject == "policy log-probs":
-        score = model.score
-        monkeypatch.setattr(model, "score", lambda *a, **k: (nan_at_completion(score(*a, **k)[0]), score(*a, **k)[1]))
+    if inject == "policy log-probs":  # the fused pass's (the default), or the unfused one's
+        if model.token_terms is not None:
+            fused = model.fused_loss
+            monkeypatch.setattr(model, "fused_loss", lambda *a, **k: (lambda loss, lp, ent: (
+                loss, nan_at_completion(lp), ent))(*fused(*a, **k)))
+        else:
+            score = model.score
+            monkeypatch.setattr(model, "score", lambda *a, **k: (lambda lp, ent: (nan_at_completion(lp), ent))(
+                *score(*a, **k)))
     container.zero_grad()
     loss_fn(model(tokens, labels=labels, rollouts=rollouts), labels).backward()
     if inject == "gradients":
