@@ -318,7 +318,9 @@ def grpo_cmd(run: Run, dump: Path, rollouts: Path, extra: list[str]) -> list[str
         "--checkpoint.no-enable", "--checkpoint.no-initial-load-in-hf",
         "--model.hf_assets_path", "plugin/assets/tokenizer", "--training.dataset_path", str(rollouts),
         "--training.seq_len", str(m["seq_len"]), "--training.local_batch_size", str(m["batch"]),
-        "--grpo.logprob_chunk_size", str(m["chunk"]), "--metrics.enable_tensorboard", "--metrics.log_freq", "1",
+        # the config samples online; this part trains on synthetic rollouts, chunk positions of each sequence
+        "--online.no-enable", "--validation.no-enable", "--grpo.logprob_chunk_tokens", str(m["chunk"] * m["batch"]),
+        "--metrics.enable_tensorboard", "--metrics.log_freq", "1",
         *m["grpo_extra"], *extra,
     ]
 
@@ -357,7 +359,7 @@ def part_grpo(run: Run, timeout: float) -> None:
     head = (f"### GRPO, grpo_qwen3 {m['flavor']}, random weights, 1 process, TP=1, "
             f"{'compiled (model, loss, reference)' if compiled else 'eager'}, bf16; {m['steps']} steps of "
             f"{m['batch']} completions ({m['batch'] // m['group_size']} group) x seq {m['seq_len']}, "
-            f"logprob_chunk_size {m['chunk']}")
+            f"logprob_chunk_tokens {m['chunk'] * m['batch']}, the default (fused) policy pass")
     # an error's status already ends with its detail
     said = status if status.startswith("error") or not detail else f"{status}: {detail}"
     run.sections.append(head + "\n\n" + grpo_summary(steps, first + said, compiled))

@@ -52,24 +52,31 @@ def test_qwen3_weights_stay_tied(qwen3_runs, qwen3_seed_checkpoint, name):
     assert not (end["output.weight"] == start["output.weight"]).all()
 
 
-# bf16 compute, where compile and chunking round differently. Step 1 starts from the same
-# weights, so only one forward/backward's rounding differs (seen: 2e-4 relative on grad_norm,
-# 5e-5 on entropy); after that the runs train apart (seen over 3 steps at lr 1e-3, while the
-# entropy falls from 7 to 0.8: losses 1e-3 apart, grad_norm 1%, entropy 2.3%, kl 3%).
+# bf16 compute, where compile, chunking and the fused pass round differently. Step 1 starts from
+# the same weights, so only one forward/backward's rounding differs (seen: 9e-4 relative on
+# grad_norm, 5e-5 on entropy); after that the runs train apart (seen over 3 steps at lr 1e-3, while
+# the entropy falls from 7 to 0.8: losses 1e-3 apart, grad_norm 1%, entropy 2.3%). The KL after
+# one Adam step from equal weights is ~0.004, moved by gradients near 0 whose bf16 rounding
+# differs: seen 8.4% (llama3, the fused compiled twin against the unfused plain run), and 11.9%
+# between a fused compiled and a fused eager run.
 STEP1_RTOL = 1e-3
 LATER_TOL = {"loss_metrics/global_avg_loss": dict(abs=5e-3), "grad_norm": dict(rel=0.03),
-             "grpo/entropy": dict(rel=0.06), "grpo/kl": dict(rel=0.1)}
-PLAIN = ["--compile.no-enable", "--reference_model.no-compile", "--grpo.logprob_chunk_size", "0"]
+             "grpo/entropy": dict(rel=0.06), "grpo/kl": dict(rel=0.2)}
+# the unfused path (log-probs to the loss) in one chunk, eager
+PLAIN = ["--compile.no-enable", "--reference_model.no-compile", "--grpo.logprob_chunk_tokens", "0",
+         "--grpo.logprob_chunk_mib", "0", "--grpo.no_fused_policy_pass"]
 
 
 @pytest.mark.parametrize("model", ["grpo_qwen3", "grpo_llama3"])
 def test_gpu_twin_matches_plain_bf16(model, tmp_path_factory, seed_checkpoint, qwen3_seed_checkpoint, request):
-    """4 ranks, TP=2 x FSDP=2, bf16, compiled blocks, loss and reference, chunked: the losses of the plain run."""
+    """4 ranks, TP=2 x FSDP=2, bf16, compiled blocks, loss and reference, the default (fused) policy pass in chunks:
+    the losses of the plain run (eager, unfused, unchunked)."""
     seed = qwen3_seed_checkpoint if model == "grpo_qwen3" else seed_checkpoint
     flags = ["--model.name", model]
     twin = scalars(train(tmp_path_factory, seed, f"twin_{model}", 4, *flags, steps=STEPS, config=TWIN))
     plain = scalars(train(tmp_path_factory, seed, f"plain_{model}", 4, *flags, *PLAIN, steps=STEPS, config=TWIN))
     for tag, tol in LATER_TOL.items():
+        print(tag, "relative difference per step:", [f"{abs(a - b) / max(abs(b), 1e-30):.1e}" for a, b in zip(twin[tag], plain[tag])])
         assert len(twin[tag]) == STEPS, tag
         assert twin[tag][0] == pytest.approx(plain[tag][0], rel=STEP1_RTOL, abs=1e-12), tag
         assert twin[tag][1:] == pytest.approx(plain[tag][1:], **tol), tag
@@ -83,7 +90,11 @@ def test_gpu_twin_matches_plain_bf16(model, tmp_path_factory, seed_checkpoint, q
 
 
 def test_twin_config_is_the_gpu_config_in_miniature():
-    """The twin changes sizes, the data and the step count, never a parallelism or numerics setting."""
+    """The twin changes sizes, the data and the step count, never a parallelism or numerics setting.
+
+    The GPU config samples online; the twin trains on the bundled rollouts, so that its compiled and plain
+    runs see the same completions (bf16 rounding could make them sample different ones). Online sampling on
+    this layout in bf16 is tests/test_online_e2e.py's TP=2 x FSDP=2 run."""
     import tomllib
 
     from conftest import REPO
@@ -102,5 +113,9 @@ def test_twin_config_is_the_gpu_config_in_miniature():
         for key in keys:
             assert twin[section][key] == gpu[section][key], f"[{section}] {key}"
     assert twin["model"]["name"] == gpu["model"]["name"]
-    assert twin["grpo"]["logprob_chunk_size"] > 0 and gpu["grpo"]["logprob_chunk_size"] > 0
+    # chunks counted in tokens of the whole batch, the default (fused) policy pass
+    assert twin["grpo"]["logprob_chunk_tokens"] > 0 and gpu["grpo"]["logprob_chunk_tokens"] > 0
+    for config in (twin, gpu):
+        assert "logprob_chunk_size" not in config["grpo"] and "fused_policy_pass" not in config["grpo"]
+    assert gpu["online"]["enable"] and "online" not in twin
     assert CONFIG != TWIN
