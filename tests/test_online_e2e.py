@@ -1,6 +1,7 @@
 """Online GRPO end to end under torchrun: layouts draw the same completions, replays clip, resume is exact."""
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -184,3 +185,21 @@ def test_variants_train_together_with_trls_soft_overlong_reward(tmp_path, seed_c
     assert len(rows) == 32 and all(r["rewards"]["soft_overlong"] <= 0 for r in rows)
     groups = [[r["reward"] for r in rows[i : i + 4]] for i in range(0, 32, 4)]
     assert all(len(set(g)) > 1 for g in groups)  # no equal-reward group left in the batch
+
+
+@pytest.mark.slow
+def test_the_gpu_configs_layout_samples_in_bf16(tmp_path, seed_checkpoint, prompts):
+    """TP=2 x FSDP=2 with bf16 mixed precision, as train_configs/qwen3_0.6b_gpu.toml: the sampler computes in FSDP's
+    bf16 (tests/test_sampler.py checks the dtypes), the trainer's log-probs follow it within bf16's rounding, and
+    the mismatch and generation memory are logged."""
+    launch(tmp_path, seed_checkpoint, prompts, 4, 2, "--parallelism.tensor_parallel_degree", "2",
+           "--parallelism.data_parallel_shard_degree", "2", "--training.mixed_precision_param", "bfloat16",
+           "--training.local_batch_size", "16", "--training.global_batch_size", "32")
+    tags = scalars_by_step(tmp_path)
+    assert len(completions(tmp_path)) == 32
+    for step in (1, 2):
+        mismatch = tags["online/logprob_mismatch"][step]
+        print(f"step {step}: online/logprob_mismatch {mismatch:.2e}")
+        assert 0 <= mismatch < 0.1  # bf16 (fp32: < 1e-4, test_online_metrics_are_logged)
+        assert tags["online/generation_peak_memory(GiB)"][step] > 0
+        assert math.isfinite(tags["loss_metrics/global_avg_loss"][step])

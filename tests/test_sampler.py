@@ -516,3 +516,68 @@ def test_generation_runs_in_the_trainers_autocast_dtype(llama):
     # bf16 rounds cached and full forwards differently: a near-tie may flip, the log-probs differ by bf16's rounding
     assert mismatch_fraction(cached, oracle) <= 2 / len(PROMPT_LENS)
     assert max_logprob_diff(cached, oracle) <= 0.05
+
+
+def _dtype_worker(rank, world_size, layout, out):
+    """The dtype of the last layer's output and of the KV cache while the [online] sampler generates, and of the last
+    layer's output in a training forward, under [training] mixed_precision_param = "bfloat16"."""
+    from torchtitan.distributed.utils import maybe_enable_amp
+
+    from conftest import parse_config
+    from plugin.data.online import online_sampler
+
+    tp, dp = layout
+    from torchtitan.distributed import ParallelDims
+
+    pd = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=1, ep=1, etp=1, world_size=tp * dp)
+    flags = ("--training.mixed_precision_param", "bfloat16", "--training.seq_len", str(SEQ_LEN), "--grpo.beta", "0",
+             "--parallelism.tensor_parallel_degree", str(tp), "--parallelism.data_parallel_shard_degree", str(dp))
+    model, *_ = build_model(*flags, parallel_dims=pd)
+    seen = []
+    last = model.layers[str(len(model.layers) - 1)]
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
+    last.register_forward_hook(lambda m, a, o: seen.append(("layer", local(o).dtype)))
+    last.attention.register_forward_pre_hook(
+        lambda m, a: seen.append(("cache", getattr(m.inner_attention, "k", None) is not None
+                                  and m.inner_attention.k.dtype)))
+    cfg = parse_config(*flags)
+    sampler = online_sampler(model, cfg.online, pd, "bfloat16", stop_ids=[], temperature=TEMPERATURE, pad_id=PAD)
+    sampler.generate(prompts()[:3], KEYS[:3])
+    generation, seen[:] = list(seen), []
+    with maybe_enable_amp(pd, "bfloat16", "cpu"):
+        model(torch.tensor(prompts()[1:2]))  # torchtitan's forward: the trunk as training runs it (6 tokens: TP splits them)
+    if rank == 0:
+        torch.save({"generation": generation, "training": list(seen)}, out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp, dp", [(1, 2), (2, 1), (2, 2)], ids=["fsdp2", "tp2", "tp2_fsdp2"])
+def test_generation_computes_in_the_trainers_dtype_on_every_layout(tmp_path, tp, dp):
+    """bf16 mixed precision: FSDP's bf16 parameters (FSDP=2, TP=2 x FSDP=2) or, where torchtitan turns mixed precision
+    off (TP alone), fp32; the online sampler's layers and KV cache compute in what the training forward does."""
+    out = tmp_path / "dtypes.pt"
+    run_ranks(tp * dp, _dtype_worker, (tp, dp), str(out))
+    seen = torch.load(out)
+    training = {d for what, d in seen["training"] if what == "layer"}
+    assert training == ({torch.float32} if dp == 1 else {torch.bfloat16})
+    assert {d for what, d in seen["generation"] if what == "layer"} == training
+    assert {d for what, d in seen["generation"] if what == "cache" and d is not False} == training
+
+
+def _compiled_tp_worker(rank, world_size, stops, out):
+    model = build("grpo_llama3", 2, 1)
+    eager = _sampler(model, stops).generate(prompts(), KEYS)
+    compiled = _sampler(model, stops, compile_decode=True).generate(prompts(), KEYS)
+    if rank == 0:
+        torch.save({"eager": eager, "compiled": compiled}, out)
+
+
+@pytest.mark.slow  # each rank compiles the decode step for each row count
+def test_compiled_decode_equals_eager_tp2(tmp_path, llama):
+    """TP=2: the compiled decode step (DTensor layers, the vocab-sharded head and sampling) draws eager's tokens."""
+    out = tmp_path / "draws.pt"
+    run_ranks(2, _compiled_tp_worker, llama[1]["stops"], str(out))
+    got = torch.load(out, weights_only=False)
+    assert got["compiled"].completions == got["eager"].completions
+    assert got["compiled"].truncated == got["eager"].truncated
+    assert max_logprob_diff(got["compiled"], got["eager"]) <= LOGPROB_ATOL
