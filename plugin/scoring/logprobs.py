@@ -363,10 +363,13 @@ def fused_chunked_loss(
 
     The head is `norm` (hidden -> the output layer's input) and a bias-free output layer of
     `weight` [V, D], a Shard(0) DTensor under TP. A chunk's logits are made `vocab_block` rows
-    of the weight (of this rank's shard under TP) at a time, twice: a running log-sum-exp with
-    the entropy's sum of p * logit (as blocked_logprobs), then d loss / d logits, each block's
-    gradients for the weight and the output layer's input taken as it goes. Nothing is
-    recomputed in backward. The loss must be a sum of per-token terms: `token_loss(logprobs,
+    of the weight (of this rank's shard under TP) at a time, twice: chunk by chunk, a running
+    log-sum-exp with the entropy's sum of p * logit (as blocked_logprobs), which gives the loss
+    and its per-token derivatives; then block by block over every chunk, d loss / d logits and
+    its products with the weight block and the output layer's input, in fp32, so that each
+    gradient is rounded to the weight's dtype once. Until then the output layer's input and its
+    fp32 gradient are held for the whole microbatch ([tokens, D]; under TP, the gathered
+    sequence). Nothing is recomputed in backward. The loss must be a sum of per-token terms: `token_loss(logprobs,
     entropy, index)` gets a chunk's [N] log-probs and entropies and their [N] positions in the
     flattened [B, T] labels, and returns their loss sum.
 
