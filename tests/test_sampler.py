@@ -521,14 +521,13 @@ def test_generation_runs_in_the_trainers_autocast_dtype(llama):
 def _dtype_worker(rank, world_size, layout, out):
     """The dtype of the last layer's output and of the KV cache while the [online] sampler generates, and of the last
     layer's output in a training forward, under [training] mixed_precision_param = "bfloat16"."""
+    from torchtitan.distributed import ParallelDims
     from torchtitan.distributed.utils import maybe_enable_amp
 
     from conftest import parse_config
     from plugin.data.online import online_sampler
 
     tp, dp = layout
-    from torchtitan.distributed import ParallelDims
-
     pd = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=1, ep=1, etp=1, world_size=tp * dp)
     flags = ("--training.mixed_precision_param", "bfloat16", "--training.seq_len", str(SEQ_LEN), "--grpo.beta", "0",
              "--parallelism.tensor_parallel_degree", str(tp), "--parallelism.data_parallel_shard_degree", str(dp))
