@@ -178,7 +178,12 @@ def test_kl_options_values_and_gradients_match_torch_reference(est, correction, 
         torch.testing.assert_close(terms.loss, expected, rtol=1e-12, atol=1e-12)
         terms.loss.sum().backward()
         expected.sum().backward()
-        torch.testing.assert_close(x.grad, y.grad, rtol=1e-12, atol=1e-12)
+        # k3's gradient where l_ref - l = 25 is the difference of two terms of ratio * e^25 ~ 1e11: each rounds in
+        # its last bit, and which of torch's exp kernels (vectorized or scalar) an element meets depends on its
+        # place in memory. Seen once: 7.6e-6 apart at a gradient of 12.9. The slack is 1e-15 of those terms.
+        slack = 1e-15 * torch.exp(ref - lp).clamp_min(1) * torch.exp(lp - old).clamp_min(1)
+        gap = (x.grad - y.grad).abs()
+        assert (gap <= 1e-12 + 1e-12 * y.grad.abs() + slack).all(), gap.max()
         return terms, x.grad
 
     terms, _ = grads(torch.randn(B, generator=g, dtype=torch.float64))
