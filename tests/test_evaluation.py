@@ -10,7 +10,7 @@ import torch
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
 from conftest import REPO, build_model, parse_config
-from plugin.data.evaluation import GREEDY_TEMPERATURE, EVAL_BATCH, GRPOEvaluator, build_grpo_evaluator
+from plugin.data.evaluation import EVAL_BATCH, GRPOEvaluator, build_grpo_evaluator
 from plugin.data.online import sample_key
 from plugin.generation.sampler import Samples, build_sampler
 from test_data import write
@@ -92,10 +92,10 @@ def test_missing_file_names_the_validation_key(tmp_path):
 
 
 def test_greedy_temperature_draws_the_argmax():
-    """The sampler at GREEDY_TEMPERATURE gives what an argmax loop over full forwards gives, on the debug model."""
+    """The sampler at temperature 0 gives what an argmax loop over full forwards gives, on the debug model."""
     model, *_ = build_model("--training.seq_len", "16")
     prompts = [[1, 50, 60, 70], [1, 9], [1, 300, 301]]
-    sampler = build_sampler(model, kv_cache=True, max_new_tokens=8, stop_ids=[2], temperature=GREEDY_TEMPERATURE,
+    sampler = build_sampler(model, kv_cache=True, max_new_tokens=8, stop_ids=[2], temperature=0.0,
                             pad_id=0)
     samples = sampler.generate(prompts, [5, 6, 7])
     with torch.no_grad():

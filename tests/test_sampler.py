@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from conftest import build_model, run_ranks
 from plugin.generation.sampler import KVCache, KVCacheSampler, NoCacheSampler, build_sampler
-from plugin.generation.sampling import _mix, _mix32, gumbel, row_seeds, sample
+from plugin.generation.sampling import _mix, _mix32, gumbel, pick, row_seeds, sample, shard_candidates
 
 SEQ_LEN = 48  # the RoPE table: [training] seq_len
 N = 12  # max_new_tokens
@@ -414,6 +414,30 @@ def test_sampled_logprobs_are_a_log_softmax():
     torch.testing.assert_close(logprobs.double(), exact, rtol=0, atol=1e-5)
     assert torch.equal(tokens, (logits.double() + gumbel(row_seeds(torch.tensor([1, 2, 3]), 0), 0, 151_936)
                                 .double()).argmax(-1))
+
+
+def test_temperature_zero_is_the_argmax_and_its_log_softmax():
+    """Greedy (temperature 0, evaluation's default) over several blocks and vocab shards: the largest logit, the lower
+    id of equal ones across blocks and shards, whatever the key; its log-prob is the log-softmax at temperature 1."""
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(4, 151_936, generator=g) * 4
+    logits[0, [7, 100_000]] = 50.0  # a tie across blocks (B=4 reads blocks of 65,536) and across the shards below
+    logits[1, 140_000] = 50.0
+    want = logits.argmax(-1)
+    assert want[0] == 7
+    exact = torch.log_softmax(logits.double(), -1).gather(-1, want[:, None]).squeeze(-1)
+    for keys in (torch.tensor([1, 2, 3, 4]), torch.tensor([9, 9, 9, 9])):
+        for t in (0, 5):
+            tokens, logprobs = sample(logits, keys, t, 0.0)
+            assert torch.equal(tokens, want)
+            torch.testing.assert_close(logprobs.double(), exact, rtol=0, atol=1e-5)
+    # what sample_sharded picks from two shards' candidates after its all-reduce
+    seeds, half = row_seeds(torch.tensor([1, 2, 3, 4]), 0), 75_968
+    candidates = torch.stack([shard_candidates(logits[:, :half], seeds, 0, 0.0),
+                              shard_candidates(logits[:, half:], seeds, half, 0.0)])
+    tokens, logprobs = pick(candidates)
+    assert torch.equal(tokens, want)
+    torch.testing.assert_close(logprobs.double(), exact, rtol=0, atol=1e-5)
 
 
 def _sampler(model, stops, **options):

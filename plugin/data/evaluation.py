@@ -38,9 +38,6 @@ from plugin.data.online import (
 from plugin.data.rewards import load_reward_fns
 
 EVAL_BATCH = -1  # the batch index of sample_key for evaluations: no training batch has it
-# the sampler draws argmax(log_softmax(logits / T) + Gumbel noise), the noise within [-3.6, 37.4]: at T = 1e-6
-# a logit ahead by more than 4.2e-5 always wins, so the draw is the argmax but for ties at fp32 rounding
-GREEDY_TEMPERATURE = 1e-6
 
 
 class GRPOEvaluator(BaseValidator):
@@ -77,10 +74,10 @@ class GRPOEvaluator(BaseValidator):
         online = self.job_config.online
         if self.model is not model_parts[0]:
             self.model = model_parts[0]
-            temperature = online.eval_temperature or GREEDY_TEMPERATURE
+            # eval_temperature 0 takes the sampler's greedy path: the argmax, without noise
             self.sampler = online_sampler(self.model, online, self.parallel_dims,
                                           self.job_config.training.mixed_precision_param, stop_ids=self.stop_ids,
-                                          temperature=temperature, pad_id=self.pad_id)
+                                          temperature=online.eval_temperature, pad_id=self.pad_id)
         G, seed = online.num_generations_eval, self.job_config.debug.seed or 0
         start = time.perf_counter()
         mine, completions, truncated = [], [], []

@@ -106,7 +106,7 @@ class _BaseSampler:
     def __init__(self, model: nn.Module, *, max_new_tokens: int, stop_ids: Sequence[int], temperature: float,
                  pad_id: int, max_num_seqs: int = 0, check_every: int = 8,
                  autocast: Callable[[], AbstractContextManager] = nullcontext, compile_decode: bool = False):
-        """`max_new_tokens` >= 1 and `temperature` > 0: [online] and [grpo] check them.
+        """`max_new_tokens` >= 1 and `temperature` >= 0 (0: greedy): [online] and [grpo] check them.
 
         max_num_seqs: most sequences one decode batch holds (0: all of the call's); check_every:
         decode steps between the stop checks, the only host syncs of the decode loop; autocast:

@@ -91,15 +91,20 @@ def shard_candidates(logits: torch.Tensor, seeds: torch.Tensor, start: int, temp
 
     `logits` [B, V_shard] hold the global vocab ids start..start+V_shard-1. The shard is read in
     blocks of columns, so no [B, V] temporary exists. Ties keep the lower vocab id.
+    `temperature` 0 is greedy: the candidate is the largest logit, without noise, and the log-sum-exp
+    pieces are temperature 1's (a greedy token's log-prob is its log-softmax).
     """
     B, V = logits.shape
+    greedy = temperature == 0
+    if greedy:
+        temperature = 1.0
     block = max(1024, _BLOCK_ELEMENTS.get(logits.device.type, 1 << 18) // max(B, 1))
     best = torch.full((B,), -torch.inf, device=logits.device)
     best_id, best_z = torch.zeros(B, device=logits.device), torch.zeros(B, device=logits.device)
     m, s = torch.full((B,), -torch.inf, device=logits.device), torch.zeros(B, device=logits.device)
     for c0 in range(0, V, block):
         z = logits[:, c0:c0 + block].float() / temperature  # [B, C]
-        score = gumbel(seeds, start + c0, z.shape[1]).add_(z)
+        score = z if greedy else gumbel(seeds, start + c0, z.shape[1]).add_(z)
         value, index = score.max(dim=-1)  # the first of equal maxima
         better = value > best  # strictly: an earlier block's (lower) id wins a tie
         best = torch.where(better, value, best)
@@ -122,7 +127,7 @@ def pick(candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def sample(logits: torch.Tensor, keys: torch.Tensor, t: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token t of each row by Gumbel-max over plain [B, V] logits, and its log-prob at `temperature`."""
+    """Token t of each row by Gumbel-max over plain [B, V] logits, and its log-prob at `temperature` (0: greedy)."""
     return pick(shard_candidates(logits, row_seeds(keys, t), 0, temperature)[None])
 
 
