@@ -15,7 +15,8 @@ from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
 from conftest import REPO
 from plugin.data.chat import ChatTemplate
-from plugin.data.online import Prompt, load_prompts, reward_completions
+from plugin.data.prompts import Prompt, load_prompts
+from plugin.data.rewards import reward_completions
 from plugin.data.rollouts import Encoder, RolloutError, index_rollouts
 from test_data import VOCAB, write
 

@@ -17,9 +17,10 @@ from plugin.data.batch import BatchPlan, Collate, advantages
 from plugin.config import GRPO, Online
 from plugin.job import GRPOJob
 from plugin.runtime.metrics import GRPOMetricsProcessor
-from plugin.data.online import OnlineDataset, load_prompts, sample_key, score_once
+from plugin.data.online import OnlineDataset, sample_key
+from plugin.data.prompts import load_prompts
 from plugin.runtime.stats import GRPOStats, OnlineStats
-from plugin.data.rewards import RewardError, load_reward_fns, score
+from plugin.data.rewards import RewardError, load_reward_fns, score, score_once
 from plugin.data.rollouts import Encoder, RolloutError
 from plugin.generation.sampler import Samples
 from test_data import VOCAB, write

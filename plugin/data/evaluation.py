@@ -27,15 +27,9 @@ from torchtitan.components.validate import BaseValidator
 from torchtitan.tools.logging import logger
 
 from plugin.data.loader import build_encoder
-from plugin.data.online import (
-    load_prompts,
-    online_sampler,
-    resolve_stop_ids,
-    reward_completions,
-    sample_key,
-    score_once,
-)
-from plugin.data.rewards import load_reward_fns
+from plugin.data.online import online_sampler, sample_key
+from plugin.data.prompts import load_prompts, resolve_stop_ids
+from plugin.data.rewards import load_reward_fns, score_completions
 
 EVAL_BATCH = -1  # the batch index of sample_key for evaluations: no training batch has it
 
@@ -88,12 +82,8 @@ class GRPOEvaluator(BaseValidator):
             completions += samples.completions
             truncated += samples.truncated
         prompts = [self.prompts[i] for i in mine]
-        texts = [self.tokenizer.decode(c[:-1] if c and c[-1] in self.stop_ids else c) for c in completions]
-        columns = {k: [p.columns.get(k) for p in prompts] for k in dict.fromkeys(k for p in prompts for k in p.columns)}
-        totals, per_fn = [], [[] for _ in self.reward_fns]  # a rank can have no prompts when the file is short
-        if prompts:
-            totals, per_fn = score_once(self.reward_fns, self.tp_group, [p.text for p in prompts],
-                                        reward_completions(prompts, texts), completions, columns, [p.where for p in prompts])
+        texts, totals, per_fn = score_completions(self.reward_fns, self.tp_group, self.tokenizer, self.stop_ids,
+                                                  prompts, completions)
         part = [totals, [len(c) for c in completions], truncated, *per_fn]
         gathered = [part]
         if self.dp_group is not None:

@@ -24,7 +24,6 @@ Simplifications:
 
 import hashlib
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,60 +37,14 @@ from torchtitan.distributed.utils import maybe_enable_amp
 from torchtitan.tools.logging import logger
 
 from plugin.data.batch import GroupStream, Rollouts
-from plugin.data.rewards import RewardError, load_reward_fns, score
-from plugin.data.rollouts import BadRow, Completion, JsonlFile, ParquetFile, RolloutError, report, rollout_format
-from plugin.generation.sampler import build_sampler, max_prompt_tokens
+from plugin.data.prompts import Prompt, load_prompts, resolve_stop_ids
+from plugin.data.rewards import load_reward_fns, score_completions
+from plugin.data.rollouts import Completion, RolloutError
+from plugin.generation.sampler import build_sampler
 from plugin.job import GRPOJob
 from plugin.runtime.stats import OnlineStats
 
-PROMPT_FIELDS = ("prompt", "prompt_ids")
 
-
-@dataclass
-class Prompt:
-    ids: list[int]  # with the chat template and BOS, as the model reads it
-    text: str | list[dict]  # as given, text or messages (decoded when the row gives ids): reward functions' prompt
-    columns: dict[str, Any]  # every other column of the row
-    where: str  # file:line (JSONL) or file: row n (Parquet)
-
-
-def load_prompts(path: str, encoder, tokenizer, *, fmt: str, max_new_tokens: int, on_error: str,
-                 key: str = "[training] dataset_path") -> tuple[list[Prompt], int]:
-    """Every prompt row, checked; (prompts, rows skipped). A bad row raises naming file, line and field,
-    or with on_error = "skip" is counted, logged and left out. `key` names the file's TOML key."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{key} = {path!r}: no such prompt file")
-    prompts, problems, skipped = [], [], 0
-    limit = max_prompt_tokens(encoder.seq_len, max_new_tokens)
-    source = JsonlFile(path) if rollout_format(path, fmt) == "jsonl" else ParquetFile(path, every_column=True)
-    for line, _, row in source.scan():
-        try:
-            if isinstance(row, BadRow):
-                raise row
-            ids = encoder.prompt(row)
-            if len(ids) > limit:
-                raise BadRow(f"the prompt is {len(ids)} tokens; with [online] max_new_tokens = {max_new_tokens} "
-                           f"a prompt may have at most [training] seq_len + 1 - max_new_tokens = {limit}")
-        except BadRow as e:
-            report(problems, on_error, f"{source.where(line)}: {e}")
-            skipped += 1
-            continue
-        text = row["prompt"] if row.get("prompt") is not None else tokenizer.decode(ids)
-        columns = {k: v for k, v in row.items() if k not in PROMPT_FIELDS}
-        prompts.append(Prompt(ids, text, columns, source.where(line)))
-    if skipped:
-        logger.warning(f"{path}: {skipped} prompt rows skipped ([rollout_data] on_error = \"skip\"); first problems:\n  "
-                       + "\n  ".join(problems))
-    if not prompts:
-        raise RolloutError(f"{path}: no valid prompt rows" + ("; first problems:\n  " + "\n  ".join(problems)
-                                                                if problems else ""))
-    return prompts, skipped
-
-
-def reward_completions(prompts: list[Prompt], texts: list[str]) -> list:
-    """What reward functions get as completions, as in TRL: the text, or after a conversational prompt
-    (a message list) the assistant's reply as a one-message list."""
-    return [[{"role": "assistant", "content": t}] if isinstance(p.text, list) else t for p, t in zip(prompts, texts)]
 @dataclass
 class SampledGroup:
     """One prompt's G completions and their figures; the completions are absent on ranks that do not train on them."""
@@ -118,36 +71,6 @@ def online_sampler(policy, cfg, parallel_dims, mixed_precision_param: str, *, st
     return build_sampler(policy, kv_cache=cfg.kv_cache, max_new_tokens=cfg.max_new_tokens, stop_ids=stop_ids,
                          temperature=temperature, pad_id=pad_id, max_num_seqs=cfg.max_num_seqs,
                          check_every=cfg.stop_check_every, compile_decode=cfg.compile_decode, autocast=lambda: amp)
-
-
-def score_once(reward_fns, tp_group, prompts: list, completions: list, completion_ids: list[list[int]],
-               columns: dict[str, list], where: list[str]) -> tuple[list[float], list[list[float]]]:
-    """plugin.data.rewards.score, each completion's rewards run once in the job.
-
-    A reward with side effects (a sandbox, a judge, an API) must not run once per TP rank:
-    TP rank k scores the k-th contiguous share of the completions, and the shares are gathered.
-    A failure on any rank is raised on every rank, so none waits for the others. `tp_group` None: one rank.
-    """
-    if tp_group is None:
-        return score(reward_fns, prompts, completions, completion_ids, columns, where)
-    tp, rank, n = dist.get_world_size(tp_group), dist.get_rank(tp_group), len(completions)
-    mine = slice(n * rank // tp, n * (rank + 1) // tp)
-    part, failure = None, None
-    try:
-        part = score(reward_fns, prompts[mine], completions[mine], completion_ids[mine],
-                     {k: v[mine] for k, v in columns.items()}, where[mine])
-    except Exception as e:
-        failure = e
-    parts = [None] * tp
-    dist.all_gather_object(parts, (part, failure and f"{type(failure).__name__}: {failure}"), group=tp_group)
-    if failure is not None:
-        raise failure
-    for _, peer_error in parts:
-        if peer_error is not None:
-            raise RewardError(f"on a tensor-parallel peer: {peer_error}")
-    totals = [v for p, _ in parts for v in p[0]]
-    per_fn = [[v for p, _ in parts for v in p[1][k]] for k in range(len(reward_fns))]
-    return totals, per_fn
 
 
 def sample_key(seed: int, batch: int, position: int, member: int) -> int:
@@ -302,10 +225,8 @@ class OnlineDataset(IterableDataset, Stateful):
             samples = self.sampler.generate([p.ids for p in mine], keys)
         gen_time, gen_peak = time.perf_counter() - start, memory.peak
 
-        texts = [self.tokenizer.decode(c[:-1] if c and c[-1] in self.stop_ids else c) for c in samples.completions]
-        columns = {k: [p.columns.get(k) for p in mine] for k in dict.fromkeys(k for p in mine for k in p.columns)}
-        totals, per_fn = score_once(self.reward_fns, self.tp_group, [p.text for p in mine],
-                                    reward_completions(mine, texts), samples.completions, columns, [p.where for p in mine])
+        texts, totals, per_fn = score_completions(self.reward_fns, self.tp_group, self.tokenizer, self.stop_ids, mine,
+                                                  samples.completions)
         mine_groups = {}
         for k, i in enumerate(positions):
             rows = slice(k * G, (k + 1) * G)
@@ -361,19 +282,6 @@ class OnlineDataset(IterableDataset, Stateful):
         self.stream_pos = state_dict.get("stream_pos", (self.batch_index + begun) * self.plan.groups_per_step)
         for record in self.batch or []:  # earlier versions kept the replays' old log-probs in the rollouts
             record.setdefault("old_logprobs", record["rollouts"].old_logprobs)
-
-
-def resolve_stop_ids(online, tokenizer, vocab_size: int) -> list[int]:
-    """[online] stop_token_ids, checked against the vocabulary; [] = the tokenizer's EOS id."""
-    stop_ids = list(online.stop_token_ids)
-    if not stop_ids:
-        if tokenizer.eos_id is None:
-            raise ValueError("[online] stop_token_ids is empty and the tokenizer has no EOS id: give the stop ids")
-        stop_ids = [tokenizer.eos_id]
-    for i, t in enumerate(stop_ids):
-        if t >= vocab_size:
-            raise ValueError(f"[online] stop_token_ids[{i}] = {t} is outside the model's vocabulary [0, {vocab_size})")
-    return stop_ids
 
 
 def build_online_dataset(job_config, job: GRPOJob, tokenizer, encoder, batching):

@@ -22,6 +22,10 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
+import torch.distributed as dist
+
+from plugin.data.prompts import Prompt
+
 
 class RewardError(RuntimeError):
     """A reward function that failed, or returned something that is not one finite reward per completion."""
@@ -82,6 +86,58 @@ def score(fns: list[RewardFn], prompts: list[str], completions: list[str], compl
         if not applied:
             raise RewardError(f"every reward function returned None for completion {i} of the prompt at {where[i]}")
         totals.append(sum(w * r for w, r in applied))
+    return totals, per_fn
+
+
+def score_completions(fns: list[RewardFn], tp_group, tokenizer, stop_ids: list[int], prompts: list[Prompt],
+                      completion_ids: list[list[int]]) -> tuple[list[str], list[float], list[list[float]]]:
+    """Sampled completions of `prompts` (one per completion) decoded and scored, as
+    online batches and evaluations both do: (texts, weighted total per completion, each function's rewards).
+
+    A text leaves out its stop token; TP peers (`tp_group`, holding the same completions) share the calls.
+    """
+    texts = [tokenizer.decode(c[:-1] if c and c[-1] in stop_ids else c) for c in completion_ids]
+    if not prompts:  # an evaluation rank past the end of a short file; its TP peers are too
+        return texts, [], [[] for _ in fns]
+    columns = {k: [p.columns.get(k) for p in prompts] for k in dict.fromkeys(k for p in prompts for k in p.columns)}
+    totals, per_fn = score_once(fns, tp_group, [p.text for p in prompts], reward_completions(prompts, texts),
+                                completion_ids, columns, [p.where for p in prompts])
+    return texts, totals, per_fn
+
+
+def reward_completions(prompts: list[Prompt], texts: list[str]) -> list:
+    """What reward functions get as completions, as in TRL: the text, or after a conversational prompt
+    (a message list) the assistant's reply as a one-message list."""
+    return [[{"role": "assistant", "content": t}] if isinstance(p.text, list) else t for p, t in zip(prompts, texts)]
+
+
+def score_once(reward_fns, tp_group, prompts: list, completions: list, completion_ids: list[list[int]],
+               columns: dict[str, list], where: list[str]) -> tuple[list[float], list[list[float]]]:
+    """plugin.data.rewards.score, each completion's rewards run once in the job.
+
+    A reward with side effects (a sandbox, a judge, an API) must not run once per TP rank:
+    TP rank k scores the k-th contiguous share of the completions, and the shares are gathered.
+    A failure on any rank is raised on every rank, so none waits for the others. `tp_group` None: one rank.
+    """
+    if tp_group is None:
+        return score(reward_fns, prompts, completions, completion_ids, columns, where)
+    tp, rank, n = dist.get_world_size(tp_group), dist.get_rank(tp_group), len(completions)
+    mine = slice(n * rank // tp, n * (rank + 1) // tp)
+    part, failure = None, None
+    try:
+        part = score(reward_fns, prompts[mine], completions[mine], completion_ids[mine],
+                     {k: v[mine] for k, v in columns.items()}, where[mine])
+    except Exception as e:
+        failure = e
+    parts = [None] * tp
+    dist.all_gather_object(parts, (part, failure and f"{type(failure).__name__}: {failure}"), group=tp_group)
+    if failure is not None:
+        raise failure
+    for _, peer_error in parts:
+        if peer_error is not None:
+            raise RewardError(f"on a tensor-parallel peer: {peer_error}")
+    totals = [v for p, _ in parts for v in p[0]]
+    per_fn = [[v for p, _ in parts for v in p[1][k]] for k in range(len(reward_fns))]
     return totals, per_fn
 
 
