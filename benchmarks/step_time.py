@@ -3,7 +3,8 @@
 Variants, each a torchrun job of torchtitan's train.py on --tp ranks (train_configs/debug_cpu.toml with
 the model, batch and sequence length overridden):
     ce          torchtitan's `llama3` TrainSpec and cross-entropy loss on a local text dataset
-    grpo_beta0  `grpo_llama3`, [grpo] beta = 0: no reference model
+    grpo_beta0  `grpo_llama3`, [grpo] beta = 0: no reference model (the default fused policy pass)
+    grpo_beta0_unfused  the same with [grpo] fused_policy_pass = false: log-probs first, the loss's backward after
     grpo_beta   `grpo_llama3`, [grpo] beta = --beta: a frozen reference, one extra forward per microbatch
     forward     not training: the `llama3` model's forward and cross-entropy under no_grad and loss_parallel,
                 parallelized as torchtitan's Trainer does it; the cost of one extra forward pass
@@ -23,7 +24,7 @@ Simplifications:
    other jobs (one OpenMP thread per rank, and gloo blocks rather than spins while it waits).
 
 Usage: python benchmarks/step_time.py [--flavor debugmodel] [--batch 8] [--seq-len 256] [--repeats 4]
-The defaults take about 14 minutes on 2 busy cores (16 jobs of 25-65 s). --smoke runs a tiny shape
+The defaults take about 17 minutes on 2 busy cores (20 jobs of 15-35 s). --smoke runs a tiny shape
 once (about 90 s).
 Writes <out>/step_time.csv and .png (default benchmarks/results/) and prints a table.
 """
@@ -42,7 +43,7 @@ from pathlib import Path
 from harness import CONFIG, REPO, build_model
 from job_status import read_scalars, run_job
 
-VARIANTS = ("ce", "grpo_beta0", "grpo_beta", "forward")
+VARIANTS = ("ce", "grpo_beta0", "grpo_beta0_unfused", "grpo_beta", "forward")
 GROUP_SIZE = 4
 PROMPT_LEN = 32
 CPU_TAG = "step_time/cpu(s)"
@@ -106,8 +107,9 @@ def overrides(args, variant: str, data: Path) -> list[str]:
     if variant in ("ce", "forward"):
         return common + ["--model.name", "llama3", "--training.dataset", "c4_test",
                          "--training.dataset_path", str(data / "text")]
-    beta = 0.0 if variant == "grpo_beta0" else args.beta
-    return common + ["--training.dataset_path", str(data / "rollouts.jsonl"), "--grpo.beta", str(beta)]
+    beta = 0.0 if variant.startswith("grpo_beta0") else args.beta
+    unfused = ["--grpo.no_fused_policy_pass"] if variant.endswith("_unfused") else []
+    return common + ["--training.dataset_path", str(data / "rollouts.jsonl"), "--grpo.beta", str(beta), *unfused]
 
 
 def run_variant(args, variant: str, data: Path, dump: Path, env: dict) -> dict:
@@ -197,7 +199,7 @@ def run(args) -> tuple[list[dict], dict]:
                       f"{statistics.median(result['cpu']):.3f} CPU s over "
                       f"{len(result['times'])} steps, job {time.perf_counter() - start:.0f} s", flush=True)
     rows = [dict(variant=v, flavor=args.flavor, batch=args.batch, seq_len=args.seq_len, tp=args.tp,
-                 beta=args.beta if v == "grpo_beta" else (0.0 if v == "grpo_beta0" else ""), repeats=args.repeats,
+                 beta=args.beta if v == "grpo_beta" else (0.0 if v.startswith("grpo_beta0") else ""), repeats=args.repeats,
                  steps_timed=sum(len(x["times"]) for x in rounds[v])) for v in VARIANTS]
     medians = {}
     for key, suffix in (("times", ""), ("cpu", "_cpu")):
@@ -205,7 +207,7 @@ def run(args) -> tuple[list[dict], dict]:
         ratios = {v: [m / ce for m, ce in zip(medians[key][v], medians[key]["ce"])] for v in VARIANTS}
         # the targets: beta = 0 within 5% of CE; beta > 0 within one extra forward pass + 5%
         forward = statistics.median(ratios["forward"])
-        targets = {"grpo_beta0": 1.05, "grpo_beta": 1 + forward + 0.05}
+        targets = {"grpo_beta0": 1.05, "grpo_beta0_unfused": 1.05, "grpo_beta": 1 + forward + 0.05}
         for row in rows:
             v, ratio = row["variant"], statistics.median(ratios[row["variant"]])
             row.update({
@@ -232,7 +234,7 @@ def plot(rows: list[dict], medians: dict, out: Path) -> None:
     names = [r["variant"] for r in rows]
     for ax, key, suffix, what in zip(axes, ("times", "cpu"), ("", "_cpu"), ("wall", "rank 0 CPU")):
         heights = [r[f"median_step{suffix}_s"] for r in rows]
-        ax.bar(names, heights, color=["C0", "C1", "C2", "C7"], alpha=0.8)
+        ax.bar(names, heights, color=["C0", "C1", "C4", "C2", "C7"], alpha=0.8)
         for i, (v, h) in enumerate(zip(names, heights)):  # each round's median: the spread the shared machine adds
             ax.plot([i] * len(medians[key][v]), medians[key][v], "k.", alpha=0.6)
             ax.annotate(f"{rows[i][f'ratio_to_ce{suffix}']}x CE", (i, h), textcoords="offset points", xytext=(0, 4),
@@ -240,7 +242,7 @@ def plot(rows: list[dict], medians: dict, out: Path) -> None:
         for r in rows:
             if r[f"target_ratio{suffix}"]:
                 ax.axhline(heights[0] * r[f"target_ratio{suffix}"], ls="--", lw=0.8,
-                           color="C1" if r["variant"] == "grpo_beta0" else "C2",
+                           color={"grpo_beta0": "C1", "grpo_beta0_unfused": "C4"}.get(r["variant"], "C2"),
                            label=f"{r['variant']} target: {r[f'target_ratio{suffix}']}x CE")
         ax.set_ylabel(f"median step time, {what} seconds")
         ax.legend(fontsize=7, loc="upper left")

@@ -18,12 +18,13 @@ def test_step_time_smoke(tmp_path):
 
     with open(tmp_path / "step_time.csv") as f:
         rows = {r["variant"]: r for r in csv.DictReader(f)}
-    assert set(rows) == {"ce", "grpo_beta0", "grpo_beta", "forward"}
+    assert set(rows) == {"ce", "grpo_beta0", "grpo_beta0_unfused", "grpo_beta", "forward"}
     for r in rows.values():
         assert float(r["median_step_s"]) > 0 and int(r["steps_timed"]) > 0, r
     assert float(rows["ce"]["ratio_to_ce"]) == 1.0
     # only the beta > 0 job scores a reference: its pass time comes from the plugin's grpo/ref_time(s)
     assert float(rows["grpo_beta"]["ref_pass_s"]) > 0 and rows["grpo_beta0"]["ref_pass_s"] == ""
-    assert rows["grpo_beta0"]["target_ratio"] == "1.05" and rows["grpo_beta"]["target_ratio"] != ""
+    assert rows["grpo_beta0"]["target_ratio"] == rows["grpo_beta0_unfused"]["target_ratio"] == "1.05"
+    assert rows["grpo_beta"]["target_ratio"] != "" and rows["grpo_beta0_unfused"]["ref_pass_s"] == ""
     assert (tmp_path / "step_time.png").stat().st_size > 0
     assert "| grpo_beta |" in proc.stdout
