@@ -113,7 +113,7 @@ def reward_completions(prompts: list[Prompt], texts: list[str]) -> list:
 
 def score_once(reward_fns, tp_group, prompts: list, completions: list, completion_ids: list[list[int]],
                columns: dict[str, list], where: list[str]) -> tuple[list[float], list[list[float]]]:
-    """plugin.data.rewards.score, each completion's rewards run once in the job.
+    """`score`, each completion's rewards run once in the job.
 
     A reward with side effects (a sandbox, a judge, an API) must not run once per TP rank:
     TP rank k scores the k-th contiguous share of the completions, and the shares are gathered.
