@@ -5,10 +5,16 @@ within a group, so a group is never split across batches or ranks.
 
 Token layout of one completion (P prompt tokens, C completion tokens):
     sequence = prompt + completion                     # P + C tokens, P + C <= seq_len + 1
-    input    = sequence[:-1], right-padded to seq_len with the pad (EOS) id
-    labels   = sequence[1:], IGNORE_INDEX where the target is a prompt token or padding
+    input    = sequence[:-1]
+    labels   = sequence[1:], IGNORE_INDEX where the target is a prompt token
 so the loss mask (labels != IGNORE_INDEX) covers exactly the C completion tokens; nothing is
-truncated (a longer row is a bad row, see plugin.data.rollouts).
+truncated (a longer row is a bad row, see plugin.data.rollouts). A microbatch lays them out as
+- padded: one row each, right-padded to seq_len with the pad (EOS) id and IGNORE_INDEX labels;
+- padding-free ([grpo] padding_free): one row [1, T] of the inputs end to end, labels made per
+  sequence before they are concatenated (no label crosses a boundary), positions restarting at 0
+  at each sequence (the attention's boundaries, plugin.model.attention), T rounded up to a
+  multiple of `pack_multiple` (the TP degree, for sequence parallelism) by a pad sequence of its
+  own. Its completions are then assigned to microbatches by token count (BatchPlan.balanced).
 """
 
 import math
@@ -30,11 +36,13 @@ class Rollouts:
     included, so bf16 params would round advantages, loss weights and behaviour log-probs.
     """
 
-    __slots__ = ("advantages", "rewards", "loss_weights", "old_logprobs", "sampler_logprobs", "ref_logprobs")
+    __slots__ = ("advantages", "rewards", "loss_weights", "old_logprobs", "sampler_logprobs", "ref_logprobs",
+                 "seq_lens", "packed")
 
     def __init__(self, advantages: torch.Tensor, rewards: torch.Tensor, loss_weights: torch.Tensor,
                  old_logprobs: torch.Tensor | None = None, sampler_logprobs: torch.Tensor | None = None,
-                 ref_logprobs: torch.Tensor | None = None):
+                 ref_logprobs: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None,
+                 packed: bool = False):
         self.advantages = advantages  # [B] fp32
         self.rewards = rewards  # [B] fp32
         self.loss_weights = loss_weights  # [B] fp32, see loss_weights()
@@ -44,8 +52,14 @@ class Rollouts:
         # the reference's log-probs from the rollout file, given for every completion token of the
         # microbatch: the model then skips the reference pass; None: the reference model scores it
         self.ref_logprobs = ref_logprobs  # [B, T] aligned with labels, 0 outside the completions
+        # [B] each completion's input tokens (prompt + completion - 1): its real tokens; None: not known
+        self.seq_lens = seq_lens
+        # the per-token tensors above and the batch's are one padding-free row [1, T]: the B sequences of
+        # `seq_lens` end to end, then padding; else [B, T], row b completion b
+        self.packed = packed
 
     def __setstate__(self, state) -> None:
+        self.seq_lens, self.packed = None, False  # not in a data checkpoint of an earlier version
         # a mid-replay data checkpoint of an earlier version also holds a `keep_logprobs` slot
         for name, value in state[1].items():
             if name in self.__slots__:
@@ -54,6 +68,27 @@ class Rollouts:
     def to(self, device: torch.device) -> "Rollouts":
         move = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
         return Rollouts(*(move(getattr(self, name)) for name in self.__slots__))
+
+    def token_rows(self, numel: int) -> torch.Tensor:
+        """[numel] the completion of each position of the flattened per-token tensors (a packed row's padding:
+        the last one; its labels are IGNORE_INDEX)."""
+        B, device = self.advantages.numel(), self.advantages.device
+        if not self.packed:
+            return torch.arange(numel, device=device) // (numel // B)
+        rows = torch.repeat_interleave(torch.arange(B, device=device), self.seq_lens.to(device))
+        return torch.cat([rows, rows.new_full((numel - rows.numel(),), B - 1)])
+
+    def unpacked(self, x: torch.Tensor | None, fill: float = 0.0) -> torch.Tensor | None:
+        """A packed row's per-token [1, T] tensor as the padded layout [B, longest], `fill` past each sequence;
+        differentiable. A padded [B, T] tensor is returned as it is."""
+        if x is None or not self.packed:
+            return x
+        lens = self.seq_lens.to(x.device)
+        B, width, n = lens.numel(), int(lens.max()), int(lens.sum())
+        rows = torch.repeat_interleave(torch.arange(B, device=x.device), lens)
+        cols = torch.arange(n, device=x.device) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+        out = x.new_full((B * width,), fill)
+        return out.index_put((rows * width + cols,), x.reshape(-1)[:n]).view(B, width)
 
 
 def advantages(rewards: torch.Tensor, group_size: int, norm: str, eps: float) -> torch.Tensor:
@@ -110,9 +145,32 @@ class BatchPlan:
         start = (j * self.dp_world_size + self.dp_rank) * self.groups_per_microbatch
         return range(start, start + self.groups_per_microbatch)
 
-    def rows(self, j: int) -> list[int]:
-        """Positions, within a step's completions (group-major), of this rank's j-th microbatch."""
+    def rows(self, j: int, tokens: np.ndarray | None = None) -> list[int]:
+        """Positions, within a step's completions (group-major), of this rank's j-th microbatch.
+
+        With `tokens` ([N] each completion's sequence length, N the step's completions), the
+        completions are balanced by tokens over every rank's microbatches instead (`balanced`).
+        """
+        if tokens is not None:
+            return balanced(tokens, self.grad_accum * self.dp_world_size)[j * self.dp_world_size + self.dp_rank]
         return [i * self.group_size + m for i in self.microbatch(j) for m in range(self.group_size)]
+
+
+def balanced(tokens: np.ndarray, bins: int) -> list[list[int]]:
+    """The completions [0, N) in `bins` bins of near-equal token sums, each bin in ascending order.
+
+    Longest first, each to the bin with the fewest tokens so far (ties: the lower bin): every rank
+    computes the same bins. The loss is a sum over tokens divided by the global batch's token count,
+    with advantages and loss weights computed over the whole batch, so where a completion is
+    trained does not change it. With N >= bins no bin is empty.
+    """
+    order = np.argsort(-np.asarray(tokens, dtype=np.int64), kind="stable")
+    load, out = np.zeros(bins, dtype=np.int64), [[] for _ in range(bins)]
+    for i in order:
+        b = int(np.argmin(load))
+        load[b] += tokens[i]
+        out[b].append(int(i))
+    return [sorted(b) for b in out]
 
 
 class GroupStream:
@@ -159,12 +217,20 @@ class GroupStream:
 
 
 class Collate:
-    """One microbatch: padded to seq_len, completion tokens unmasked, with advantages, loss weights, behaviour log-probs."""
+    """One microbatch, padded or padding-free (the module's doc), completion tokens unmasked, with advantages, loss
+    weights, behaviour log-probs."""
 
-    def __init__(self, seq_len: int, pad_id: int, grpo, group_size: int, sampled: bool = False):
+    def __init__(self, seq_len: int, pad_id: int, grpo, group_size: int, sampled: bool = False, pack_multiple: int = 1):
         self.seq_len, self.pad_id, self.cfg, self.group_size = seq_len, pad_id, grpo, group_size
         # online mode: a completion's log-probs are the sampler's, a metric; in a file, the behaviour policy's
         self.sampled = sampled
+        self.padding_free, self.pack_multiple = grpo.padding_free, pack_multiple
+
+    def tokens(self, prompt_lens, completion_lens) -> np.ndarray | None:
+        """[N] each completion's input tokens, the cost BatchPlan.rows balances; None: padded rows, balanced by count."""
+        if not self.padding_free:
+            return None
+        return np.asarray(prompt_lens, dtype=np.int64) + np.asarray(completion_lens, dtype=np.int64) - 1
 
     def __call__(self, rewards: torch.Tensor, completion_lens: torch.Tensor, rows: list[int], batch: list[Completion],
                  keep: torch.Tensor | None = None):
@@ -181,23 +247,46 @@ class Collate:
         else:
             weights = loss_weights(completion_lens, cfg.loss_aggregation, cfg.horizon or self.seq_len, keep)
         n = len(batch)
-        inputs = torch.full((n, self.seq_len), self.pad_id, dtype=torch.long)
-        labels = torch.full((n, self.seq_len), IGNORE_INDEX, dtype=torch.long)
+        seq_lens = torch.tensor([len(c.tokens) - 1 for c in batch], dtype=torch.long)
+        if self.padding_free:
+            total = int(seq_lens.sum())
+            shape = (1, -(-total // self.pack_multiple) * self.pack_multiple)
+            starts = (torch.cumsum(seq_lens, 0) - seq_lens).tolist()
+        else:
+            shape, starts = (n, self.seq_len), [i * self.seq_len for i in range(n)]
+        inputs = torch.full(shape, self.pad_id, dtype=torch.long)
+        labels = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
         # only when a row has them: None keeps the loss on-policy without a [B, T] tensor of NaN
-        old_logprobs = torch.full((n, self.seq_len), math.nan) if any(c.logprobs for c in batch) else None
+        old_logprobs = torch.full(shape, math.nan) if any(c.logprobs for c in batch) else None
         # all or nothing: one unknown token (a null, an appended EOS) and the reference model scores the microbatch
         given_ref = all(c.ref_logprobs and not any(map(math.isnan, c.ref_logprobs)) for c in batch)
-        ref_logprobs = torch.zeros(n, self.seq_len) if given_ref and not self.sampled else None
-        for i, c in enumerate(batch):
+        ref_logprobs = torch.zeros(shape) if given_ref and not self.sampled else None
+        flat = lambda t: t.view(-1)  # noqa: E731
+        for i, (c, start) in enumerate(zip(batch, starts)):
             seq = torch.tensor(c.tokens, dtype=torch.long)
-            inputs[i, : len(seq) - 1] = seq[:-1]
-            # position t predicts token t+1: completion targets start at prompt_len - 1
+            end = start + len(seq) - 1
+            flat(inputs)[start:end] = seq[:-1]
+            # position t predicts token t+1: completion targets start at prompt_len - 1, within this sequence
+            targets = slice(start + c.prompt_len - 1, end)
             if keep is None or keep[rows[i]]:
-                labels[i, c.prompt_len - 1 : len(seq) - 1] = seq[c.prompt_len :]
+                flat(labels)[targets] = seq[c.prompt_len :]
             if c.logprobs:
-                old_logprobs[i, c.prompt_len - 1 : len(seq) - 1] = torch.tensor(c.logprobs)
+                flat(old_logprobs)[targets] = torch.tensor(c.logprobs)
             if ref_logprobs is not None:
-                ref_logprobs[i, c.prompt_len - 1 : len(seq) - 1] = torch.tensor(c.ref_logprobs)
+                flat(ref_logprobs)[targets] = torch.tensor(c.ref_logprobs)
         old, sampler = (None, old_logprobs) if self.sampled else (old_logprobs, None)
-        rollouts = Rollouts(adv[rows], rewards[rows], weights[rows], old, sampler, ref_logprobs=ref_logprobs)
-        return {"input": inputs, "labels": labels, "rollouts": rollouts}, labels
+        rollouts = Rollouts(adv[rows], rewards[rows], weights[rows], old, sampler, ref_logprobs=ref_logprobs,
+                            seq_lens=seq_lens, packed=self.padding_free)
+        out = {"input": inputs, "labels": labels, "rollouts": rollouts}
+        if self.padding_free:
+            out["positions"] = packed_positions(seq_lens, shape[1])
+        return out, labels
+
+
+def packed_positions(seq_lens: torch.Tensor, width: int) -> torch.Tensor:
+    """[1, width] positions of a padding-free row: 0.. of each sequence of `seq_lens`, then 0.. of its padding, which
+    is so a sequence of its own."""
+    lens = torch.cat([seq_lens, seq_lens.new_tensor([width - int(seq_lens.sum())])])
+    lens = lens[lens > 0]
+    starts = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+    return (torch.arange(width) - starts)[None]

@@ -44,8 +44,9 @@ class RolloutDataset(IterableDataset, Stateful):
             completion_lens = torch.from_numpy(self.index.lengths[items]).long()
             if self.microbatch == 0 and (epoch := self.stream.epoch_starting(self.step)) is not None:
                 logger.info(f"Rollout data: epoch {epoch} starts at step {self.step + 1}")
+            tokens = self.collate.tokens(self.index.prompt_lengths[items], self.index.lengths[items])
             while self.microbatch < self.plan.grad_accum:
-                rows = self.plan.rows(self.microbatch)
+                rows = self.plan.rows(self.microbatch, tokens)
                 self.microbatch += 1
                 yield self.collate(rewards, completion_lens, rows, self.index.read(items[rows]))
             self.step, self.microbatch = self.step + 1, 0
@@ -104,7 +105,9 @@ def build_rollout_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_co
             of = f"{group_size} completions" if sampled else group_size
             raise RolloutError(f"{training.dataset_path}: {available} {what}, fewer than one global batch "
                                f"({plan.groups_per_step} {what} of {of})")
-        return plan, Collate(training.seq_len, pad_id, job_config.grpo, group_size, sampled)
+        # sequence parallelism shards a padding-free row's positions over the TP ranks
+        tp = job_config.parallelism.tensor_parallel_degree
+        return plan, Collate(training.seq_len, pad_id, job_config.grpo, group_size, sampled, pack_multiple=tp)
 
     if online:
         dataset = build_online_dataset(job_config, job, tokenizer, encoder, batching)

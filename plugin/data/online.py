@@ -132,9 +132,11 @@ class OnlineDataset(IterableDataset, Stateful):
             old, sampler = (None, r.sampler_logprobs) if self.iteration == 0 else (record.get("old_logprobs"), None)
             if self.cfg.behavior_logprobs == "sampler":  # every pass's ratio is to the sampler that drew the batch
                 old = r.sampler_logprobs
-            rollouts = Rollouts(r.advantages, r.rewards, r.loss_weights, old, sampler)
+            rollouts = Rollouts(r.advantages, r.rewards, r.loss_weights, old, sampler, seq_lens=r.seq_lens,
+                                packed=r.packed)
             self.microbatch += 1
-            yield {"input": record["input"], "labels": record["labels"], "rollouts": rollouts}, record["labels"]
+            layout = {"positions": record["positions"]} if "positions" in record else {}
+            yield {"input": record["input"], "labels": record["labels"], "rollouts": rollouts, **layout}, record["labels"]
 
     @torch.no_grad()
     def sample_batch(self, index: int) -> list[dict]:
@@ -190,21 +192,24 @@ class OnlineDataset(IterableDataset, Stateful):
                                f"{cfg.max_new_tokens} and mask_truncated_completions leaves none in the loss: the "
                                "step makes no update (its loss is 0, as TRL's)")
         batch = []
+        # padding-free: microbatches balanced by tokens over every rank's, whose completions every rank then holds
+        tokens = self.collate.tokens([len(g.prompt.ids) for g in final for _ in g.lengths], lens_t.numpy())
         for j in range(plan.grad_accum):
-            rows = plan.rows(j)
+            rows = plan.rows(j, tokens)
             completions = []
             for row in rows:
                 g, m = final[row // G], row % G
                 completions.append(Completion(g.prompt.ids + g.completions[m], len(g.prompt.ids), rewards[row],
                                               g.logprobs[m]))
             inputs, labels = self.collate(rewards_t, lens_t, rows, completions, keep)
-            batch.append(dict(input=inputs["input"], labels=labels, rollouts=inputs["rollouts"]))
+            batch.append(inputs)
         if cfg.num_iterations > 1 and cfg.behavior_logprobs == "policy":
             # the replays' old log-probs: the policy's before any update from this batch
             device = next(self.policy.parameters()).device
             for record in batch:
-                record["old_logprobs"] = self.policy.logprobs(record["input"].to(device),
-                                                              record["labels"].to(device)).cpu()
+                layout = {"positions": record["positions"].to(device)} if "positions" in record else {}
+                record["old_logprobs"] = self.policy.logprobs(record["input"].to(device), record["labels"].to(device),
+                                                              **layout).cpu()
         return batch
 
     def _sample_round(self, index: int, rnd: int, prompt_ids) -> tuple[list["SampledGroup"], float, int]:
@@ -236,8 +241,10 @@ class OnlineDataset(IterableDataset, Stateful):
                 texts[rows])
         groups = dict(mine_groups)
         if self.dp_group is not None:
-            # the rewards of every group; with filter_groups a kept group may land on another rank: everything
-            share = {i: g if self.cfg.filter_groups else g.figures() for i, g in mine_groups.items()}
+            # the rewards of every group; with filter_groups a kept group, padding-free a completion, may be trained
+            # on another rank: everything
+            whole = self.cfg.filter_groups or self.collate.padding_free
+            share = {i: g if whole else g.figures() for i, g in mine_groups.items()}
             gathered = [None] * dist.get_world_size(self.dp_group)
             dist.all_gather_object(gathered, (share, gen_time, gen_peak), group=self.dp_group)
             for rank_groups, _, _ in gathered:

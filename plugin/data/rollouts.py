@@ -339,6 +339,7 @@ class RolloutIndex:
     slots: np.ndarray  # [N] int32: the completion's position in a grouped row; 0 for flat rows
     rewards: np.ndarray  # [N] float32
     lengths: np.ndarray  # [N] int32: completion tokens, including an appended EOS
+    prompt_lengths: np.ndarray  # [N] int32: prompt tokens (a padding-free batch is balanced by prompt + completion)
     rows: int  # rows in the file
     skipped_rows: int
     skipped_groups: int
@@ -359,7 +360,7 @@ class RolloutIndex:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.offsets, self.slots, self.rewards, self.lengths))
+        return sum(a.nbytes for a in (self.offsets, self.slots, self.rewards, self.lengths, self.prompt_lengths))
 
     def read(self, items: np.ndarray) -> list[Completion]:
         """The completions at index entries `items`, read from the file and tokenized again."""
@@ -385,15 +386,16 @@ class RolloutIndex:
 
 
 class _Columns:
-    """Growable per-completion arrays of the indexing pass: the index's 20 bytes, the group key and ok."""
+    """Growable per-completion arrays of the indexing pass: the index's 24 bytes, the group key and ok."""
 
     def __init__(self):
         self.offset, self.key = array("q"), array("Q")
-        self.slot, self.reward, self.length, self.ok = array("i"), array("f"), array("i"), array("b")
+        self.slot, self.reward, self.length, self.prompt_length = array("i"), array("f"), array("i"), array("i")
+        self.ok = array("b")
 
-    def add(self, offset: int, key: int, slot: int, reward: float, length: int, ok: bool) -> None:
-        for column, value in zip((self.offset, self.key, self.slot, self.reward, self.length, self.ok),
-                                 (offset, key, slot, reward, length, ok)):
+    def add(self, offset: int, key: int, slot: int, reward: float, length: int, ok: bool, prompt_length: int = 0) -> None:
+        for column, value in zip((self.offset, self.key, self.slot, self.reward, self.length, self.prompt_length,
+                                  self.ok), (offset, key, slot, reward, length, prompt_length, ok)):
             column.append(value)
 
     def numpy(self, name: str, dtype) -> np.ndarray:
@@ -437,7 +439,7 @@ def index_rollouts(path: str, encoder: Encoder, *, fmt: str = "auto", group_size
                 cols.add(offset, key, 0, math.nan, 0, ok=False)
             continue
         for slot, c in enumerate(completions):
-            cols.add(offset, key, slot, c.reward, len(c.tokens) - c.prompt_len, ok=True)
+            cols.add(offset, key, slot, c.reward, len(c.tokens) - c.prompt_len, ok=True, prompt_length=c.prompt_len)
     if rows == 0:
         raise RolloutError(f"{path}: no rollout rows")
 
@@ -486,7 +488,7 @@ def index_rollouts(path: str, encoder: Encoder, *, fmt: str = "auto", group_size
         path=path, source=source, encoder=encoder, grouped=bool(grouped), group_size=expected,
         offsets=offsets[sel], slots=cols.numpy("slot", np.int32)[sel],
         rewards=cols.numpy("reward", np.float32)[sel], lengths=cols.numpy("length", np.int32)[sel],
-        rows=rows, skipped_rows=skipped_rows, skipped_groups=skipped_groups, stamp=(st.st_size, st.st_mtime_ns),
+        prompt_lengths=cols.numpy("prompt_length", np.int32)[sel], rows=rows, skipped_rows=skipped_rows, skipped_groups=skipped_groups, stamp=(st.st_size, st.st_mtime_ns),
     )
 
 

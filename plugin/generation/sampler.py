@@ -280,8 +280,10 @@ class KVCacheSampler(_BaseSampler):
         swapped = [(m, m.inner_attention) for m in self.model.modules()
                    if isinstance(getattr(m, "inner_attention", None), nn.Module)]
         caches = [KVCache(state, cache_len) for _ in swapped]
+        attn_types = [m.attn_type for m, _ in swapped]
         for (m, _), cache in zip(swapped, caches):
-            m.inner_attention = cache
+            # padding-free training's "varlen" attention (plugin.model.attention) hands its boundaries to the cache
+            m.inner_attention, m.attn_type = cache, "sdpa"
         try:
             # all but each prompt's last token; its logits are not needed
             self.model.hidden_states(self._padded([p[:-1] for p in firsts], prefill),
@@ -291,8 +293,8 @@ class KVCacheSampler(_BaseSampler):
             session = _Decode(self, state, caches, lengths, prompts)
             yield session
         finally:
-            for m, inner in swapped:
-                m.inner_attention = inner  # drops the caches
+            for (m, inner), attn_type in zip(swapped, attn_types):
+                m.inner_attention, m.attn_type = inner, attn_type  # drops the caches
 
 
 class _Decode:

@@ -50,12 +50,13 @@ def build_grpo_parallelize_fn(base_parallelize: Callable) -> Callable:
         if reference is not None:
             ref_scoring = dataclasses.replace(scoring, compiled=job_config.reference_model.compile,
                                               with_entropy=False, entropy_grad=False)
-            reference.module.configure(ref_scoring)
+            reference.module.configure(ref_scoring, padding_free=grpo.padding_free)
         model.configure(
             scoring, job.stats, reference, token_terms=token_terms_fn(job_config) if grpo.fused_policy_pass else None,
             # torchtitan's FSDP policy for the last group: resharded after forward only with "always"
             head_reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward == "always",
             sequence_ratio=grpo.importance_sampling_level == "sequence",
+            padding_free=grpo.padding_free,
         )
         job.policy, job.parallel_dims = model, parallel_dims  # the online dataset samples from it
         return model

@@ -11,8 +11,9 @@ The model-family contract, all the plugin relies on besides `FAMILIES`' RoPE buf
 - `tok_embeddings`: token ids -> [B, T, D]; `layers`: an nn.ModuleDict of blocks, each called
   `layer(h, rope, attention_masks, positions)`; `norm`: the final norm; `output`: a bias-free
   nn.Linear whose weight is [V, D] (a Shard(0) DTensor under TP);
-- each block's attention has an `inner_attention` submodule called `(q, k, v, scale=..., enable_gqa=...)`
-  on [B, H, T, hd] (the sampler puts its KV cache there);
+- each block's `attention` has an `inner_attention` submodule called `(q, k, v, scale=..., enable_gqa=...)`
+  on [B, H, T, hd] (the sampler puts its KV cache there), and torchtitan's `attn_type` switch whose
+  "varlen" case calls it `(q, k, v, VarlenMetadata, scale=...)` (plugin.model.attention, padding-free);
 - `model_args.max_seq_len` (the RoPE table's length) and, for tied embedding and output weights,
   `model_args.enable_weight_tying`.
 Adding a family is one `FAMILIES` entry and its TrainSpec registration (plugin/__init__.py).
@@ -20,6 +21,7 @@ Adding a family is one `FAMILIES` entry and its TrainSpec registration (plugin/_
 
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Callable
 
 import torch
@@ -27,6 +29,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 from torchtitan.components.loss import IGNORE_INDEX
 
+from plugin.model.attention import sequence_bounds, use_packed_attention
 from plugin.model.reference import Reference
 from plugin.runtime import internals
 from plugin.runtime.stats import GRPOStats
@@ -50,6 +53,19 @@ class PolicyOutput:
     sampler_logprobs: torch.Tensor | None = None  # [B, T] online mode's sampler log-probs, NaN elsewhere
     # [grpo] fused_policy_pass: the loss sum, its gradients computed in forward; logprobs and entropy are then detached
     fused_loss: torch.Tensor | None = None
+    # padding-free: the per-token tensors (and the labels) are one packed row [1, T]; this turns each into the
+    # padded [B, longest] layout the loss computes on (Rollouts.unpacked). None: they are [B, T] already
+    unpack: Callable | None = None
+
+    def padded(self, labels: torch.Tensor) -> tuple["PolicyOutput", torch.Tensor]:
+        """This output and `labels` in the padded layout, row b completion b."""
+        u = self.unpack
+        if u is None:
+            return self, labels
+        nan = float("nan")
+        return replace(self, logprobs=u(self.logprobs), entropy=u(self.entropy), ref_logprobs=u(self.ref_logprobs),
+                       old_logprobs=u(self.old_logprobs, nan), sampler_logprobs=u(self.sampler_logprobs, nan),
+                       unpack=None), u(labels, IGNORE_INDEX)
 
 
 class GRPOModel:
@@ -71,11 +87,14 @@ class GRPOModel:
 
     def configure(self, scoring: Scoring, stats: GRPOStats | None = None, reference: Reference | None = None,
                   token_terms: Callable | None = None, head_reshard_after_forward: bool = False,
-                  sequence_ratio: bool = False) -> None:
+                  sequence_ratio: bool = False, padding_free: bool = False) -> None:
         """What the parallelize function gives the parallelized model, once: how it scores, where its statistics
-        go, its reference and, for the fused pass, the loss's per-token terms and their ratio's level."""
+        go, its reference, for the fused pass the loss's per-token terms and their ratio's level, and whether its
+        attention takes padding-free rows."""
         self.scoring, self.stats, self.reference, self.token_terms = scoring, stats, reference, token_terms
         self.head_reshard_after_forward, self.sequence_ratio = head_reshard_after_forward, sequence_ratio
+        if padding_free:
+            use_packed_attention(self)
         if isinstance(self, FSDPModule):
             # the methods called from outside forward run FSDP's root hooks as forward does
             for method in ("hidden_states", "_logprobs"):
@@ -85,8 +104,13 @@ class GRPOModel:
         """Logits without labels (torchtitan's own use); with labels, the loss's input: the policy's log-probs and
         the reference's, and the batch's per-completion values from its `rollouts` (plugin.data.batch.Rollouts)."""
         if labels is None:
+            if self.attends_packed():  # torchtitan's forward would hand the varlen attention no boundaries
+                return self.output(self.norm(self.trunk(tokens, **kwargs)))
             return super().forward(tokens, **kwargs)
+        if rollouts is not None and rollouts.seq_lens is not None and self.stats is not None:
+            self.stats.record_layout(int(rollouts.seq_lens.sum()), tokens.numel())
         r = None if rollouts is None else rollouts.to(tokens.device)
+        unpack = r.unpacked if r is not None and r.packed else None
         ref_logprobs = None
         if self.reference is not None:
             if r is not None and r.ref_logprobs is not None:
@@ -103,10 +127,17 @@ class GRPOModel:
         else:
             logprobs, entropy = self.score(tokens, labels, **kwargs)
         return PolicyOutput(logprobs, entropy, ref_logprobs, r.old_logprobs, r.advantages, r.rewards, r.loss_weights,
-                            r.sampler_logprobs, fused_loss)
+                            r.sampler_logprobs, fused_loss, unpack)
+
+    def attends_packed(self) -> bool:
+        """Whether the attention takes varlen boundaries now ([grpo] padding_free, outside generation)."""
+        return next(iter(self.layers.values())).attention.attn_type == "varlen"
 
     def trunk(self, tokens: torch.Tensor, attention_masks=None, positions=None) -> torch.Tensor:
         """The trunk's output before the final norm; sequence-sharded [B, T/TP, D] under TP."""
+        if attention_masks is None and self.attends_packed():
+            # a packed row's sequences from its positions; a padded batch's rows
+            attention_masks = sequence_bounds(tokens, positions)
         h = self.tok_embeddings(tokens)
         rope = getattr(self, self.rope_buffer)
         for layer in self.layers.values():
@@ -142,15 +173,15 @@ class GRPOModel:
                    **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The GRPO loss sum with each chunk's backward run in forward; detached [B, T] log-probs and entropies."""
         hidden = self.trunk(tokens, **kwargs)
-        T = labels.shape[1]
         mask = (labels != IGNORE_INDEX).view(-1)
         old = None if r.old_logprobs is None else r.old_logprobs.view(-1)
         ref = None if ref_logprobs is None else ref_logprobs.view(-1)
+        rows = r.token_rows(labels.numel())  # each token's completion, padded or padding-free
 
         seq = {}  # the sequence level's per-completion mean log-ratio, known before the first chunk
 
-        def token_loss(logprobs, entropy, index):  # [N] tokens at `index` of the flattened [B, T]
-            row = index // T
+        def token_loss(logprobs, entropy, index):  # [N] tokens at `index` of the flattened labels
+            row = rows[index]
             # as grpo_loss: behaviour log-probs where the rollouts have them, on-policy elsewhere
             old_c = logprobs.detach() if old is None else torch.where(old[index].isnan(), logprobs.detach(), old[index])
             terms = self.token_terms(logprobs[:, None], old_c[:, None], None if ref is None else ref[index][:, None],
@@ -160,22 +191,25 @@ class GRPOModel:
 
         with head_weight(self) as weight:
             if self.sequence_ratio:
-                seq["seq_log_ratio"] = self._mean_log_ratio(hidden, labels, weight, r.old_logprobs)
+                seq["seq_log_ratio"] = self._mean_log_ratio(hidden, labels, weight, r.old_logprobs, rows,
+                                                            r.advantages.numel())
             return fused_chunked_loss(hidden, labels, self.norm, weight, token_loss, self.scoring)
 
     def _mean_log_ratio(self, hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor,
-                        old_logprobs: torch.Tensor | None) -> torch.Tensor:
-        """[B] each completion's mean of l - l_old over its tokens; on-policy 0, else from a no-grad pass over the head.
+                        old_logprobs: torch.Tensor | None, rows: torch.Tensor, B: int) -> torch.Tensor:
+        """[B] each completion's mean of l - l_old over its tokens (`rows`: each token's completion); on-policy 0,
+        else from a no-grad pass over the head.
 
         A chunk may hold part of a completion, so the fused pass takes the mean before its chunks:
         one more pass of the head's vocab blocks (log-probs only), no trunk recompute.
         """
-        mask = labels != IGNORE_INDEX
         if old_logprobs is None:
-            return torch.zeros(labels.shape[0], device=labels.device)
+            return torch.zeros(B, device=labels.device)
+        mask = labels != IGNORE_INDEX
         logprobs = blocked_logprobs(hidden, labels, self.norm, weight, replace(self.scoring, with_entropy=False))[0]
         log_ratio = torch.where(mask & ~old_logprobs.isnan(), logprobs - old_logprobs, 0.0)
-        return log_ratio.sum(-1) / mask.sum(-1).clamp(min=1)
+        per_row = partial(torch.zeros(B, dtype=log_ratio.dtype, device=labels.device).index_add, 0, rows)
+        return per_row(log_ratio.view(-1)) / per_row(mask.view(-1).to(log_ratio.dtype)).clamp(min=1)
 
     def to_empty(self, *, device, recurse: bool = True):
         super().to_empty(device=device, recurse=recurse)

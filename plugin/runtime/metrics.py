@@ -1,5 +1,7 @@
 """The GRPO metrics processor: torchtitan's, plus the job's grpo/* and online/* statistics (plugin.runtime.stats)."""
 
+import time
+
 import torch
 from torchtitan.components.metrics import MetricsProcessor
 
@@ -47,6 +49,10 @@ class GRPOMetricsProcessor(MetricsProcessor):
         self.stats.reset()
         if self.online is not None:
             extra.update(self.online.take())
+        if "grpo/real_token_fraction" in extra:
+            # torchtitan's tps counts every position of the labels, padding included; the same per device, real only
+            elapsed = (time.perf_counter() - self.time_last_log) * self.parallel_dims.non_data_parallel_size
+            extra["grpo/real_tps"] = self.ntokens_since_last_log * extra["grpo/real_token_fraction"] / elapsed
         super().log(step, global_avg_loss, global_max_loss, grad_norm, {**(extra_metrics or {}), **extra})
 
     def close(self):

@@ -15,7 +15,7 @@ GIB = 1024**3
 # sums reduced with SUM over the data-parallel ranks, the token ones kept on the device; peaks with MAX
 _DEVICE_KEYS = ("tokens", "kl", "ratio", "clip_low", "clip_high", "entropy", "reward", "reward_sq", "adv", "adv_sq",
                 "mismatch", "mismatch_out", "mismatch_tokens")
-_HOST_KEYS = ("seqs", "ref_passes", "ref_time")
+_HOST_KEYS = ("seqs", "ref_passes", "ref_time", "real_tokens", "computed_tokens")
 _MAX_KEYS = ("ref_peak_mem", "ref_peak_growth")
 
 
@@ -59,6 +59,11 @@ class GRPOStats:
         ])
         self.device_sums = row if self.device_sums is None else self.device_sums + row
         self.sums["seqs"] += rewards.numel()
+
+    def record_layout(self, real: int, computed: int) -> None:
+        """One microbatch's real tokens (prompts and completions) and the tokens its passes compute on."""
+        self.sums["real_tokens"] += real
+        self.sums["computed_tokens"] += computed
 
     @torch.no_grad()
     def record_nonfinite(self, *terms: torch.Tensor | None) -> None:
@@ -145,6 +150,9 @@ class GRPOStats:
             "grpo/skipped_rows": float(self.skipped_rows),
             "grpo/skipped_steps": float(self.skipped_steps),
         }
+        if s["computed_tokens"]:
+            # padding-free: ~1; padded to seq_len: what the passes do not waste. torchtitan's tps and MFU count computed tokens
+            out["grpo/real_token_fraction"] = s["real_tokens"] / s["computed_tokens"]
         if s["mismatch_tokens"]:
             out["online/logprob_mismatch"] = s["mismatch"] / s["mismatch_tokens"]
             out["online/logprob_mismatch_ratio_outside_10pct"] = s["mismatch_out"] / s["mismatch_tokens"]

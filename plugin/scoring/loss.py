@@ -117,6 +117,7 @@ def grpo_loss(pred, labels: torch.Tensor, *, token_terms_fn, stats=None) -> torc
     With [grpo] fused_policy_pass the model computed the loss and its gradients already
     (`pred.fused_loss`); the terms are evaluated here only for the metrics.
     """
+    pred, labels = pred.padded(labels)  # a padding-free row's tokens, each under its completion
     mask = labels != IGNORE_INDEX
     old = pred.logprobs.detach()
     if pred.old_logprobs is not None:
