@@ -80,8 +80,8 @@ class GRPO:
     fused_policy_pass: bool = True
     """Compute each chunk's loss gradients (hidden states, head weights) inside the policy's forward, so nothing is recomputed in backward; false: log-probs to the loss, each chunk recomputed in backward."""
 
-    padding_free: bool = False
-    """Train on real tokens only (TRL's name): a microbatch's sequences are one row end to end, each attending only to itself with positions from 0, and microbatches are balanced by tokens; false: every sequence right-padded to [training] seq_len."""
+    padding_free: bool = True
+    """Train on real tokens only (TRL's name): a microbatch's sequences are one row end to end, each attending only to itself with positions from 0, and microbatches are balanced by tokens; false: every sequence right-padded to [training] seq_len (for a model family or attention without a per-sequence path)."""
 
     on_nonfinite: Literal["raise", "skip"] = "raise"
     """A NaN/inf advantage, log-prob, loss or gradient stops the run at that step (raise) or drops the step's update (skip)."""

@@ -135,7 +135,7 @@ OUT_OF_RANGE = {
                  beta=float("inf"), kl_estimator="k0", use_bias_correction_kl="", kl_log_ratio_clamp=-1.0,
                  kl_max=-1.0, loss_aggregation="mean", horizon=-1, advantage_norm="std", advantage_eps=0.0,
                  group_size=1, temperature=-1.0, logprob_chunk_size=-2, logprob_chunk_tokens=-1,
-                 logprob_chunk_mib=float("nan"), fused_policy_pass="", on_nonfinite="ignore"),
+                 logprob_chunk_mib=float("nan"), fused_policy_pass="", padding_free="", on_nonfinite="ignore"),
     "reference_model": dict(compile="", checkpoint_path="", checkpoint_format="", sync_steps=-1, sync_alpha="",
                             offload=""),
     "rollout_data": dict(format="", on_error="", chat_template="{other}"),

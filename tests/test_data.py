@@ -20,6 +20,8 @@ from plugin.data.loader import RolloutDataset, build_rollout_dataloader
 from plugin.job import GRPOJob
 from plugin.data.rollouts import Encoder, RolloutError, index_rollouts
 
+PADDED = GRPO(padding_free=False)  # the layout checks below read row b as completion b
+
 VOCAB = 2048  # the bundled tokenizer's and the llama3 debugmodel's
 
 
@@ -130,7 +132,7 @@ def test_behaviour_logprobs_align_with_labels(tmp_path, tokenizer):
     idx = index(write(tmp_path / "r.jsonl", rows), tokenizer)
     batch = idx.read(np.arange(4))
     assert [c.logprobs for c in batch][3] is None
-    inputs, labels = Collate(16, 1, GRPO(), 2)(torch.from_numpy(idx.rewards), torch.from_numpy(idx.lengths).long(),
+    inputs, labels = Collate(16, 1, PADDED, 2)(torch.from_numpy(idx.rewards), torch.from_numpy(idx.lengths).long(),
                                                [0, 1, 2, 3], batch)
     old = inputs["rollouts"].old_logprobs
     mask = labels != IGNORE_INDEX
@@ -139,7 +141,7 @@ def test_behaviour_logprobs_align_with_labels(tmp_path, tokenizer):
     assert old[2, mask[2]].tolist()[0] == -1.0 and math.isnan(old[2, mask[2]][1])
     assert old[3].isnan().all() and old[~mask].isnan().all()
     # a batch without behaviour log-probs carries none
-    inputs, _ = Collate(16, 1, GRPO(), 2)(torch.from_numpy(idx.rewards), torch.from_numpy(idx.lengths).long(),
+    inputs, _ = Collate(16, 1, PADDED, 2)(torch.from_numpy(idx.rewards), torch.from_numpy(idx.lengths).long(),
                                           [3], batch[3:])
     assert inputs["rollouts"].old_logprobs is None
 
@@ -157,7 +159,7 @@ def test_reference_logprobs_align_with_labels(tmp_path, tokenizer, grouped):
     idx = index(write(tmp_path / "r.jsonl", as_grouped_with(rows, "ref_logprobs") if grouped else rows), tokenizer)
     batch = idx.read(np.arange(4))
     assert [len(c.ref_logprobs) for c in batch] == [len(ids) + 1] * 4
-    collate = Collate(16, 1, GRPO(), 2)
+    collate = Collate(16, 1, PADDED, 2)
     rewards, lens = torch.from_numpy(idx.rewards), torch.from_numpy(idx.lengths).long()
     inputs, labels = collate(rewards, lens, [0, 1], batch[:2])
     ref, mask = inputs["rollouts"].ref_logprobs, labels != IGNORE_INDEX
@@ -323,7 +325,9 @@ def test_builder_skips_and_exposes_the_count(tmp_path, tokenizer):
     assert loader.dataset.index.num_groups == 7
     assert GRPOJob.of(cfg).stats.reduce(None, torch.device("cpu"))["grpo/skipped_rows"] == 4
     inputs, labels = next(iter(loader))
-    assert inputs["input"].shape == (8, 16) and inputs["rollouts"].advantages.shape == (8,)
+    # padding-free by default: the 8 sequences' tokens in one row, rounded up to the TP degree (2)
+    r = inputs["rollouts"]
+    assert inputs["input"].shape == (1, -(-int(r.seq_lens.sum()) // 2) * 2) and r.advantages.shape == (8,)
 
 
 # ---- advantages, loss weights, collate ----
@@ -347,7 +351,7 @@ def test_collate_masks_completion_tokens_only(tmp_path, tokenizer):
     rows = [{"prompt": "Q: 12+30=", "completion": c, "reward": r, "group": 0} for c, r in ((" 42\n", 1.0), (" 41\n", 0.0))]
     idx = index(write(tmp_path / "r.jsonl", rows), tokenizer, seq_len=16)
     batch = idx.read(np.arange(2))
-    inputs, labels = Collate(16, 1, GRPO(), 2)(torch.from_numpy(idx.rewards), torch.from_numpy(idx.lengths).long(),
+    inputs, labels = Collate(16, 1, PADDED, 2)(torch.from_numpy(idx.rewards), torch.from_numpy(idx.lengths).long(),
                                                [0, 1], batch)
     prompt = tokenizer.encode("Q: 12+30=", add_bos=True, add_eos=False)
     for i, c in enumerate(batch):
@@ -401,11 +405,11 @@ def id_files(tmp_path_factory):
     return make
 
 
-def _dataset(path, tokenizer, rank, world, gpm=1, grad_accum=1, seed=3, cfg=GRPO()):
+def _dataset(path, tokenizer, rank, world, gpm=1, grad_accum=1, seed=3, cfg=None):
     idx = index(path, tokenizer, seq_len=4)
     plan = BatchPlan(group_size=idx.group_size, groups_per_microbatch=gpm, grad_accum=grad_accum,
                      dp_rank=rank, dp_world_size=world)
-    return RolloutDataset(idx, plan, Collate(4, 0, cfg, idx.group_size), seed)
+    return RolloutDataset(idx, plan, Collate(4, 0, cfg or PADDED, idx.group_size), seed)
 
 
 def _group_ids(batch, size=2):
@@ -439,6 +443,42 @@ def test_dp_sharding_is_disjoint_and_complete(id_files, tokenizer, n_groups, wor
         assert sorted(seen[e * n_groups : (e + 1) * n_groups]) == list(range(n_groups))
 
 
+def test_padding_free_steps_hold_each_completion_once_balanced_by_tokens(tmp_path, tokenizer):
+    """Every completion of a step lands in exactly one rank's microbatch, with the padded layout's advantages."""
+    rows = [{"prompt_ids": [g], "completion_ids": [i] + [7] * (1 + (5 * g + 3 * i) % 9), "reward": float(i + g % 3),
+             "group": g} for g in range(8) for i in range(2)]
+    path = write(tmp_path / "r.jsonl", rows)
+    world, grad_accum, steps = 2, 2, 4
+
+    def microbatches(cfg, rank):
+        idx = index(path, tokenizer, seq_len=12)
+        plan = BatchPlan(group_size=2, groups_per_microbatch=1, grad_accum=grad_accum, dp_rank=rank, dp_world_size=world)
+        it = iter(RolloutDataset(idx, plan, Collate(12, 0, cfg, 2, pack_multiple=2), seed=3))
+        return [next(it)[0] for _ in range(steps * grad_accum)]
+
+    def completions(batch):  # (group, member) -> (advantage, input tokens) of each completion
+        r = batch["rollouts"]
+        if not r.packed:
+            return {tuple(batch["input"][b, :2].tolist()): (r.advantages[b].item(), int(r.seq_lens[b])) for b in range(len(r.seq_lens))}
+        assert batch["input"].shape[1] % 2 == 0  # a multiple of pack_multiple
+        starts = torch.nonzero(batch["positions"][0] == 0).view(-1)[: len(r.seq_lens)]
+        return {tuple(batch["input"][0, s : s + 2].tolist()): (r.advantages[b].item(), int(r.seq_lens[b]))
+                for b, s in enumerate(starts.tolist())}
+
+    per_step = {}
+    for cfg in (PADDED, GRPO()):
+        mbs = [microbatches(cfg, rank) for rank in range(world)]
+        per_step[cfg.padding_free] = []
+        for step in range(steps):
+            parts = [completions(mbs[rank][step * grad_accum + j]) for rank in range(world) for j in range(grad_accum)]
+            assert sum(map(len, parts)) == len({k for p in parts for k in p}) == 8  # 4 groups of 2, each once
+            per_step[cfg.padding_free].append({k: v for p in parts for k, v in p.items()})
+            if cfg.padding_free:
+                loads = [sum(n for _, n in p.values()) for p in parts]
+                assert max(loads) - min(loads) <= max(n for p in parts for _, n in p.values())
+    assert per_step[True] == per_step[False]  # the same completions per step, with the same advantages and lengths
+
+
 def test_shuffle_is_deterministic_per_seed_and_epoch(id_files, tokenizer):
     path = id_files(20)
     ds = _dataset(path, tokenizer, 0, 1)
@@ -467,7 +507,7 @@ def test_batch_std_uses_the_whole_global_batch(tmp_path, tokenizer):
     path = write(tmp_path / "r.jsonl", rows)
     adv = {}
     for rank in (0, 1):
-        ds = _dataset(path, tokenizer, rank, 2, cfg=GRPO(advantage_norm="batch_std"))
+        ds = _dataset(path, tokenizer, rank, 2, cfg=GRPO(advantage_norm="batch_std", padding_free=False))
         inputs, _ = next(iter(ds))
         adv[inputs["input"][0, 0].item()] = inputs["rollouts"].advantages.tolist()
     std = torch.tensor([0.0, 1.0, 0.0, 3.0]).std().item()

@@ -238,6 +238,7 @@ def test_warmup_companion_gets_no_gradient(tokenizer):
 
     from plugin.config import GRPO
     from plugin.data.batch import Collate
+    from plugin.model.policy import PolicyOutput
     from plugin.scoring.logprobs import compute_logprobs
     from plugin.scoring.loss import grpo_loss, grpo_token_terms
     from plugin.data.rollouts import Encoder, index_rollouts
@@ -247,14 +248,13 @@ def test_warmup_companion_gets_no_gradient(tokenizer):
     assert (index.num_groups, index.group_size) == (1024, 2)
     items = list(range(16))
     rewards = torch.from_numpy(index.rewards[items])
-    batch, labels = Collate(seq_len, tokenizer.eos_id, GRPO(), 2)(
+    batch, labels = Collate(seq_len, tokenizer.eos_id, GRPO(padding_free=False), 2)(
         rewards, torch.from_numpy(index.lengths[items]).long(), items, index.read(items))
     rollouts = batch["rollouts"]
     logits = torch.randn(16, seq_len, 2048, dtype=torch.float64, requires_grad=True)  # p(EOS) ~ 1/2048
     logprobs = compute_logprobs(logits, labels)
-    pred = SimpleNamespace(logprobs=logprobs, old_logprobs=rollouts.old_logprobs, ref_logprobs=None,
-                           advantages=rollouts.advantages, loss_weights=rollouts.loss_weights,
-                           entropy=torch.zeros_like(logprobs), fused_loss=None)
+    pred = PolicyOutput(logprobs, torch.zeros_like(logprobs), None, rollouts.old_logprobs, rollouts.advantages,
+                        rollouts.rewards, rollouts.loss_weights)
     grpo_loss(pred, labels, token_terms_fn=partial(grpo_token_terms, clip_low=0.2, clip_high=0.2, beta=0.0,
                                                     kl_estimator="k3")).backward()
     right = rewards == 1

@@ -135,13 +135,14 @@ class Policy(torch.nn.Module):
         super().__init__()
         self.weight, self.calls = torch.nn.Parameter(torch.zeros(())), 0
 
-    def logprobs(self, tokens, labels):
+    def logprobs(self, tokens, labels, **layout):
         self.calls += 1
         return tokens.float() * -0.01
 
 
 def _online_dataset(tmp_path, tokenizer, *, mu=1, grad_accum=2, n_prompts=6, seed=0, G=2, sampler=CountingSampler,
-                    grpo=None, dp=(0, 1), **online):
+                    grpo=None, dp=(0, 1), padding_free=False, **online):
+    """The online dataset over a stand-in sampler and policy; padded rows (row m completion m) unless `padding_free`."""
     rows = [{"prompt_ids": [1, 100 + i], "target": i} for i in range(n_prompts)]
     path = write(tmp_path / "prompts.jsonl", rows)
     prompts, _ = load_prompts(path, encoder(tokenizer), tokenizer, fmt="auto", max_new_tokens=4, on_error="raise")
@@ -149,7 +150,7 @@ def _online_dataset(tmp_path, tokenizer, *, mu=1, grad_accum=2, n_prompts=6, see
                            num_iterations=mu), **online})
     plan = BatchPlan(group_size=G, groups_per_microbatch=1, grad_accum=grad_accum, dp_rank=dp[0], dp_world_size=dp[1])
     fns = load_reward_fns(cfg.reward_funcs, [])
-    ds = OnlineDataset(prompts, plan, Collate(16, 0, grpo or GRPO(), G, sampled=True), seed, cfg, fns, tokenizer, 0,
+    ds = OnlineDataset(prompts, plan, Collate(16, 0, grpo or GRPO(padding_free=padding_free), G, sampled=True), seed, cfg, fns, tokenizer, 0,
                        [tokenizer.eos_id], 1.0, str(tmp_path), SimpleNamespace(stats=GRPOStats()),
                        OnlineStats([f.name for f in fns], cfg.filter_groups))
     ds.policy, ds.sampler = Policy(), sampler(tokenizer.eos_id)
@@ -194,8 +195,9 @@ def _pull(it, n):
     return out
 
 
-def test_replays_use_the_policys_logprobs_before_the_update_as_old(tmp_path, tokenizer):
-    ds = _online_dataset(tmp_path, tokenizer, mu=3)
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_replays_use_the_policys_logprobs_before_the_update_as_old(tmp_path, tokenizer, padding_free):
+    ds = _online_dataset(tmp_path, tokenizer, mu=3, padding_free=padding_free)
     it = iter(ds)
     first = _pull(it, 2)  # iteration 0: on-policy, with the sampler's log-probs for the mismatch metric
     assert all(old is None and has_sampler for _, old, has_sampler in first)
@@ -209,8 +211,9 @@ def test_replays_use_the_policys_logprobs_before_the_update_as_old(tmp_path, tok
     assert ds.sampler.calls == 2 and ds.policy.calls == 4 and nxt[1] is None
 
 
+@pytest.mark.parametrize("padding_free", [False, True])
 @pytest.mark.parametrize("stop_after", [1, 2, 3, 4, 5, 6])
-def test_resume_mid_replay_continues_the_same_stream(tmp_path, tokenizer, stop_after):
+def test_resume_mid_replay_continues_the_same_stream(tmp_path, tokenizer, stop_after, padding_free):
     def run(ds, it, n):
         out = []
         for _ in range(n):
@@ -219,12 +222,12 @@ def test_resume_mid_replay_continues_the_same_stream(tmp_path, tokenizer, stop_a
             out.append((inputs["input"].clone(), None if r.old_logprobs is None else r.old_logprobs.clone()))
         return out
 
-    straight_ds = _online_dataset(tmp_path, tokenizer, mu=2)
+    straight_ds = _online_dataset(tmp_path, tokenizer, mu=2, padding_free=padding_free)
     straight = run(straight_ds, iter(straight_ds), 12)
-    ds = _online_dataset(tmp_path, tokenizer, mu=2)
+    ds = _online_dataset(tmp_path, tokenizer, mu=2, padding_free=padding_free)
     head = run(ds, iter(ds), stop_after)
     state = ds.state_dict()
-    resumed = _online_dataset(tmp_path, tokenizer, mu=2)
+    resumed = _online_dataset(tmp_path, tokenizer, mu=2, padding_free=padding_free)
     resumed.load_state_dict(state)
     tail = run(resumed, iter(resumed), 12 - stop_after)
     for (x, old), (y, old2) in zip(head + tail, straight):
@@ -286,7 +289,7 @@ def trl_aggregate(per_token_loss, completion_mask, loss_type, max_completion_len
 def test_truncated_completions_leave_the_loss_but_count_in_advantages(tmp_path, tokenizer, mode, loss_type):
     horizon = 4  # Dr. GRPO's max completion length: [online] max_new_tokens
     ds = _online_dataset(tmp_path, tokenizer, G=4, n_prompts=4, sampler=TruncatingSampler,
-                         grpo=GRPO(loss_aggregation=mode, horizon=horizon), mask_truncated_completions=True)
+                         grpo=GRPO(loss_aggregation=mode, horizon=horizon, padding_free=False), mask_truncated_completions=True)
     it = iter(ds)
     batch = [next(it) for _ in range(2)]
     labels = torch.cat([lab for _, lab in batch])

@@ -35,14 +35,48 @@ def sequence_bounds(tokens: torch.Tensor, positions: torch.Tensor | None) -> Var
     return VarlenMetadata(cu, cu, longest, longest)
 
 
+# a bucket of sequences padded to its longest costs at most this much more attention than each sequence alone; the
+# constant (a 64-token sequence's) batches short sequences whatever their spread: a call costs more than their math
+BUCKET_SLACK, BUCKET_FREE = 1.3, 64 * 64
+
+
+def length_buckets(lengths: list[int]) -> list[list[int]]:
+    """The sequences as buckets of similar lengths, longest first: each bucket is one batched SDPA call."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    buckets, cost = [], 0
+    for i in order:
+        if buckets:
+            longest, n = lengths[buckets[-1][0]], len(buckets[-1]) + 1
+            if n * longest * longest <= BUCKET_SLACK * (cost + lengths[i] ** 2) + BUCKET_FREE:
+                buckets[-1].append(i)
+                cost += lengths[i] ** 2
+                continue
+        buckets.append([i])
+        cost = lengths[i] ** 2
+    return buckets
+
+
 def _attend_each(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int], scale: float) -> torch.Tensor:
-    """Causal SDPA of each sequence [bounds[i], bounds[i+1]) of [N, H, hd] q and [N, H_kv, hd] k, v, on its own."""
+    """Causal SDPA of each sequence [bounds[i], bounds[i+1]) of [N, H, hd] q and [N, H_kv, hd] k, v, on its own.
+
+    Sequences of similar lengths go through SDPA together, each right-padded to the bucket's
+    longest: its padding comes after its tokens, so causal attention never lets a token see it.
+    """
     gqa = q.shape[1] != k.shape[1]
-    out = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        piece = [t[start:end].transpose(0, 1)[None] for t in (q, k, v)]  # [1, H, L, hd]
-        out.append(F.scaled_dot_product_attention(*piece, is_causal=True, scale=scale, enable_gqa=gqa)[0])
-    return torch.cat(out, dim=1).transpose(0, 1)  # [N, H, hd]
+    starts, lengths = bounds[:-1], [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    out = torch.empty_like(q)
+    for bucket in length_buckets(lengths):
+        longest = lengths[bucket[0]]
+        offsets = torch.arange(longest, device=q.device)
+        first = torch.tensor([starts[i] for i in bucket], device=q.device)
+        lens = torch.tensor([lengths[i] for i in bucket], device=q.device)
+        real = offsets[None] < lens[:, None]  # [n, longest]
+        # a padded slot reads the sequence's first token: any real token would do, none is attended to
+        index = first[:, None] + torch.where(real, offsets[None], 0)
+        piece = [t[index].transpose(1, 2) for t in (q, k, v)]  # [n, H, longest, hd]
+        o = F.scaled_dot_product_attention(*piece, is_causal=True, scale=scale, enable_gqa=gqa).transpose(1, 2)
+        out = out.index_put((index[real],), o[real])
+    return out
 
 
 @torch.library.custom_op("grpo::attend_each", mutates_args=())
