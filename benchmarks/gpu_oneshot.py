@@ -435,6 +435,9 @@ def main(argv=None) -> int:
     header = (f"## One-shot {'smoke run (CPU)' if args.smoke else 'GPU run'}: "
               f"{time.strftime('%Y-%m-%d')}, {took:.0f} s\n\n"
               "Written by `benchmarks/gpu_oneshot.py`; an OOM is a measurement that ran out of device memory.")
+    # the benchmarks' own tables repeat gpu_summary.md's, and the device tool brings back 8 files at most
+    for md in run.out.glob("*.md"):
+        md.unlink()
     (run.out / "gpu_summary.md").write_text("\n\n".join([header, *run.sections]) + "\n")
     run.say("\n" + (run.out / "gpu_summary.md").read_text())
     run.say(f"results in {run.out}: {', '.join(sorted(p.name for p in run.out.iterdir()))}")

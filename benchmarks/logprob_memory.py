@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import results_md
 from harness import Memory
 from job_status import OK, OOM, OOM_EXIT, SIMULATE_ENV, SKIPPED, TIMEOUT, classify, fake_oom, read_reports, run_job, \
     simulated_oom, write_report
@@ -527,6 +528,7 @@ def main() -> int | None:
                     rows[-1]["x"] = seq if args.sweep_seq else chunk
         add_diffs(rows)
     write_csv(rows, out / f"{stem}.csv")
+    results_md.write(out / f"{stem}.csv")
     (plot_sweep if args.sweep_seq or args.sweep_chunk else plot_variants)(rows, out / f"{stem}.png", args)
     print(markdown(rows, args))
     print(f"\nwrote {out / stem}.csv and .png in {time.perf_counter() - start:.0f} s", file=sys.stderr)

@@ -50,6 +50,7 @@ import threading
 import time
 from pathlib import Path
 
+import results_md
 from job_status import proc_status, worker_pids  # benchmarks/, the script's folder
 
 REPO = Path(__file__).resolve().parents[1]
@@ -318,7 +319,11 @@ def plot(samples: list[dict], summary: list[dict], warmup: int, window: int, tit
 
 def load_csv(path: Path) -> list[dict]:
     with open(path) as f:
-        rows = list(csv.DictReader(f))
+        return typed(csv.DictReader(f))
+
+
+def typed(rows) -> list[dict]:
+    """CSV rows (strings) as the samples they were written from."""
     ints = ("step", "rank", "pid", "win_polls")
     return [{k: (int(v) if k in ints else float(v)) for k, v in r.items()} for r in rows]
 
@@ -351,6 +356,7 @@ def main(argv=None) -> int:
             w = csv.DictWriter(f, fieldnames=cols)
             w.writeheader()
             w.writerows(samples)
+        results_md.write(csv_path)
         if failed:
             print("[soak] the job failed; its output's tail:\n" + "".join(soak.tail), file=sys.stderr)
     print(f"\n[soak] stopped by: {stopped_by}; last step {last_step} of {args.steps}; {minutes:.1f} min; "

@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+import results_md  # benchmarks/, the script's folder
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 GROUP_SIZE = 8
@@ -181,6 +183,7 @@ def main() -> None:
         writer = csv.DictWriter(f, fieldnames=list(results[0]))
         writer.writeheader()
         writer.writerows(results)
+    results_md.write(RESULTS / "rollout_scale.csv")
     plot(results, RESULTS / "rollout_scale.png")
     cols = list(results[0])
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
