@@ -201,7 +201,7 @@ class Online:
     """Run the cached sampler's decode step under torch.compile (static shapes: the whole cache, masked; row counts in powers of two)."""
 
     log_completions: bool = False
-    """Write every sampled completion, its prompt and rewards to <dump_folder>/completions/step-<n>-dp<r>.jsonl."""
+    """Write every sampled completion, its prompt and rewards to <dump_folder>/completions/batch-<n>-dp<r>.jsonl."""
 
     num_generations_eval: int = 1
     """Completions per held-out prompt at each evaluation ([validation] enable; TRL's num_generations_eval)."""
