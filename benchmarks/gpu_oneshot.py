@@ -8,7 +8,7 @@ as wheels that `--prepare-wheels` saves on a machine with a registry. Every part
 fails or runs out of memory is recorded and the next one runs. Results, at most 8 files (what the
 device tool brings back), go to $OUT if set, else benchmarks/results/gpu/:
 
-  gpu_summary.md          the tables of all parts, for the README
+  gpu_summary.md          the tables of all parts, for docs/
   gpu_oneshot.log         every command and its whole output
   logprob_memory.csv/.png the log-prob benchmark at B=4 T=9216 V=151936 D=1024, TP=1
   reference_offload.csv   resting and peak memory with and without [reference_model] offload

@@ -405,7 +405,7 @@ def write_csv(rows: list[dict], path: Path) -> None:
 
 
 def markdown(rows: list[dict], args) -> str:
-    """The README table: one row per measurement."""
+    """A Markdown table of every figure, one row per measurement (printed; results_md writes the short one)."""
     swept = ["T"] if args.sweep_seq else ["chunk"] if args.sweep_chunk else []
     lines = [
         f"{args.device}, B={args.batch}, " + ("" if args.sweep_seq else f"T={args.seq}, ")

@@ -17,7 +17,7 @@ in MiB per 1,000 steps (target: <= 1), of the sampled VmRSS, of the window max a
 RssAnon (heap and anonymous mappings only; RssFile also moves as library pages are touched or
 evicted, which is no leak). The default warm-up is 500 steps: torchtitan turns on torch's flight
 recorder ([comm] trace_buf_size = 20000), whose ring gloo fills at ~118 entries a step here, ~33
-MiB per rank by step ~170, and the heap settles by step ~350 (README).
+MiB per rank by step ~170, and the heap settles by step ~350 (docs/reliability.md).
 
 Notes on the figures:
 - VmHWM is the peak since the job's last reset of it: the plugin resets it (plugin.cpu.reset_peak_rss,

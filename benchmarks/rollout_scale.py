@@ -74,7 +74,7 @@ def write_file(path: Path, size_mb: int, content: str) -> None:
         while writer is None or os.path.getsize(tmp) < target:
             table = pa.Table.from_pylist([next(rows) for _ in range(GROUP_SIZE * 512)])
             writer = writer or pq.ParquetWriter(tmp, table.schema, compression="none")
-            # small row groups (4096 rows): a batch decodes each row group it touches (README)
+            # small row groups (4096 rows): a batch decodes each row group it touches (docs/rollouts.md)
             writer.write_table(table, row_group_size=GROUP_SIZE * 512)
         writer.close()
     tmp.rename(path)

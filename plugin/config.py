@@ -322,7 +322,7 @@ def validate_job(job_config) -> None:
     if g.use_bias_correction_kl and g.kl_estimator == "k3" and g.kl_max > 0:
         logger.warning(
             f"[grpo] use_bias_correction_kl with kl_max = {g.kl_max}: a capped token keeps only the ratio's gradient, "
-            "which lowers its log-prob where pi << pi_ref; set [grpo] kl_max = 0 with the correction (README, 'The loss')"
+            "which lowers its log-prob where pi << pi_ref; set [grpo] kl_max = 0 with the correction (docs/loss.md)"
         )
     if job_config.online.enable and job_config.online.behavior_logprobs == "sampler" and g.behavior_ratio_cap == 0:
         logger.warning('[online] behavior_logprobs = "sampler" with [grpo] behavior_ratio_cap = 0: the ratio to the '
