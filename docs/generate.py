@@ -2,7 +2,7 @@
 
   docs/reference.md         every TOML key of plugin.config: type, default, allowed values, docstring
   benchmarks/results/*.md   each results CSV as a short table (benchmarks/results_md.py)
-  include blocks            in README.md and docs/*.md, the lines between
+  include blocks            in README.md, benchmarks/README.md and docs/*.md, the lines between
                             `<!-- include: PATH -->` and `<!-- end include -->` become PATH's text
 
     python docs/generate.py          # writes them
@@ -141,7 +141,7 @@ def outputs() -> dict[Path, str]:
         path = REPO / m.group(2)
         return m.group(1) + (out[path] if path in out else path.read_text()) + m.group(4)
 
-    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+    for page in [REPO / "README.md", REPO / "benchmarks" / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
         text = page.read_text()
         if page != REFERENCE and INCLUDE.search(text):
             out[page] = INCLUDE.sub(fill, text)
