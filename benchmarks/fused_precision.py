@@ -20,6 +20,7 @@ import argparse
 import csv
 import sys
 from pathlib import Path
+import results_md  # benchmarks/, the script's folder
 
 import torch
 
@@ -60,7 +61,7 @@ def main() -> None:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    print(f"wrote {path}")
+    print(f"wrote {path} and {results_md.write(path)}")
 
 
 if __name__ == "__main__":

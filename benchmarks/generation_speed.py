@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+import results_md
 from harness import ONE_RANK, build_model  # benchmarks/, the script's folder
 
 REPO = Path(__file__).resolve().parents[1]
@@ -138,6 +139,7 @@ def main(argv=None) -> None:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
+    results_md.write(out / "generation_speed.csv")
     plot(rows, out / "generation_speed.png")
     print("| new tokens | cached tok/s | oracle tok/s | cached / oracle | cached tok/CPU-s | oracle tok/CPU-s "
           "| cached / oracle (CPU) | same tokens |\n|---:|---:|---:|---:|---:|---:|---:|---|")

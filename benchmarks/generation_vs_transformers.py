@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 import torch
+import results_md
 from harness import ONE_RANK, build_model  # benchmarks/, the script's folder
 
 REPO = Path(__file__).resolve().parents[1]
@@ -297,6 +298,7 @@ def main(argv=None) -> None:
             writer = csv.DictWriter(f, fieldnames=COLUMNS)
             writer.writeheader()
             writer.writerows(rows)
+        results_md.write(path)
 
     def warm_up():
         prompt = [torch.randint(0, vocab, (8,), generator=g).tolist()]
@@ -356,6 +358,7 @@ def main(argv=None) -> None:
             writer = csv.DictWriter(f, fieldnames=["batch", "new_tokens", "model_layers", *shares])
             writer.writeheader()
             writer.writerow(dict(batch=B, new_tokens=N, model_layers=args.layers, **{k: round(v, 3) for k, v in shares.items()}))
+        results_md.write(out / "generation_profile.csv")
         print(f"profile, B={B}, {N} new tokens, decode steps: " + ", ".join(f"{k} {v:.3f}" for k, v in shares.items()))
 
 

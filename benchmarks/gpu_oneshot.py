@@ -8,7 +8,7 @@ as wheels that `--prepare-wheels` saves on a machine with a registry. Every part
 fails or runs out of memory is recorded and the next one runs. Results, at most 8 files (what the
 device tool brings back), go to $OUT if set, else benchmarks/results/gpu/:
 
-  gpu_summary.md          the tables of all parts, for the README
+  gpu_summary.md          the tables of all parts, for docs/
   gpu_oneshot.log         every command and its whole output
   logprob_memory.csv/.png the log-prob benchmark at B=4 T=9216 V=151936 D=1024, TP=1
   reference_offload.csv   resting and peak memory with and without [reference_model] offload
@@ -435,6 +435,9 @@ def main(argv=None) -> int:
     header = (f"## One-shot {'smoke run (CPU)' if args.smoke else 'GPU run'}: "
               f"{time.strftime('%Y-%m-%d')}, {took:.0f} s\n\n"
               "Written by `benchmarks/gpu_oneshot.py`; an OOM is a measurement that ran out of device memory.")
+    # the benchmarks' own tables repeat gpu_summary.md's, and the device tool brings back 8 files at most
+    for md in run.out.glob("*.md"):
+        md.unlink()
     (run.out / "gpu_summary.md").write_text("\n\n".join([header, *run.sections]) + "\n")
     run.say("\n" + (run.out / "gpu_summary.md").read_text())
     run.say(f"results in {run.out}: {', '.join(sorted(p.name for p in run.out.iterdir()))}")

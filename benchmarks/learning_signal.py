@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import results_md
 from harness import ONE_RANK, build_model  # benchmarks/, the script's folder
 from job_status import read_scalars
 
@@ -173,6 +174,7 @@ def online(out: Path, steps: int, every: int, results: Path) -> None:
             a = accuracy.get(s, {})
             writer.writerow([s, round(rewards[s], 4) if s in rewards else "",
                              *(round(a[k], 4) if a else "" for k in ("greedy", "sampled", "mixed"))])
+    results_md.write(results / "online_learning.csv")
 
     import matplotlib
 
@@ -246,6 +248,7 @@ def main() -> None:
         writer = csv.writer(f)
         writer.writerow(["group", "margin_before", "margin_after"])
         writer.writerows([g, round(float(b), 4), round(float(a), 4)] for g, (b, a) in enumerate(zip(before, after)))
+    results_md.write(RESULTS / "learning_signal.csv")
 
     import matplotlib
 

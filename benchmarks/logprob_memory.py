@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import results_md
 from harness import Memory
 from job_status import OK, OOM, OOM_EXIT, SIMULATE_ENV, SKIPPED, TIMEOUT, classify, fake_oom, read_reports, run_job, \
     simulated_oom, write_report
@@ -404,7 +405,7 @@ def write_csv(rows: list[dict], path: Path) -> None:
 
 
 def markdown(rows: list[dict], args) -> str:
-    """The README table: one row per measurement."""
+    """A Markdown table of every figure, one row per measurement (printed; results_md writes the short one)."""
     swept = ["T"] if args.sweep_seq else ["chunk"] if args.sweep_chunk else []
     lines = [
         f"{args.device}, B={args.batch}, " + ("" if args.sweep_seq else f"T={args.seq}, ")
@@ -527,6 +528,7 @@ def main() -> int | None:
                     rows[-1]["x"] = seq if args.sweep_seq else chunk
         add_diffs(rows)
     write_csv(rows, out / f"{stem}.csv")
+    results_md.write(out / f"{stem}.csv")
     (plot_sweep if args.sweep_seq or args.sweep_chunk else plot_variants)(rows, out / f"{stem}.png", args)
     print(markdown(rows, args))
     print(f"\nwrote {out / stem}.csv and .png in {time.perf_counter() - start:.0f} s", file=sys.stderr)

@@ -17,7 +17,7 @@ in MiB per 1,000 steps (target: <= 1), of the sampled VmRSS, of the window max a
 RssAnon (heap and anonymous mappings only; RssFile also moves as library pages are touched or
 evicted, which is no leak). The default warm-up is 500 steps: torchtitan turns on torch's flight
 recorder ([comm] trace_buf_size = 20000), whose ring gloo fills at ~118 entries a step here, ~33
-MiB per rank by step ~170, and the heap settles by step ~350 (README).
+MiB per rank by step ~170, and the heap settles by step ~350 (docs/reliability.md).
 
 Notes on the figures:
 - VmHWM is the peak since the job's last reset of it: the plugin resets it (plugin.cpu.reset_peak_rss,
@@ -50,6 +50,7 @@ import threading
 import time
 from pathlib import Path
 
+import results_md
 from job_status import proc_status, worker_pids  # benchmarks/, the script's folder
 
 REPO = Path(__file__).resolve().parents[1]
@@ -318,7 +319,11 @@ def plot(samples: list[dict], summary: list[dict], warmup: int, window: int, tit
 
 def load_csv(path: Path) -> list[dict]:
     with open(path) as f:
-        rows = list(csv.DictReader(f))
+        return typed(csv.DictReader(f))
+
+
+def typed(rows) -> list[dict]:
+    """CSV rows (strings) as the samples they were written from."""
     ints = ("step", "rank", "pid", "win_polls")
     return [{k: (int(v) if k in ints else float(v)) for k, v in r.items()} for r in rows]
 
@@ -351,6 +356,7 @@ def main(argv=None) -> int:
             w = csv.DictWriter(f, fieldnames=cols)
             w.writeheader()
             w.writerows(samples)
+        results_md.write(csv_path)
         if failed:
             print("[soak] the job failed; its output's tail:\n" + "".join(soak.tail), file=sys.stderr)
     print(f"\n[soak] stopped by: {stopped_by}; last step {last_step} of {args.steps}; {minutes:.1f} min; "

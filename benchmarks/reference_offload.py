@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 from harness import ONE_RANK, Memory, build_model
+import results_md
 from job_status import OK, OOM, OOM_EXIT, SIMULATE_ENV, TIMEOUT, classify, fake_oom, read_reports, run_job, simulated_oom, \
     write_report
 
@@ -166,6 +167,7 @@ def main(argv=None) -> int:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
         w.writerows(rows)
+    results_md.write(path)
 
     where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (RSS; offload does nothing)"
     print(f"{args.model} {args.flavor}, batch {args.batch} x seq {args.seq}, {where}")

@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+import results_md  # benchmarks/, the script's folder
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 GROUP_SIZE = 8
@@ -72,7 +74,7 @@ def write_file(path: Path, size_mb: int, content: str) -> None:
         while writer is None or os.path.getsize(tmp) < target:
             table = pa.Table.from_pylist([next(rows) for _ in range(GROUP_SIZE * 512)])
             writer = writer or pq.ParquetWriter(tmp, table.schema, compression="none")
-            # small row groups (4096 rows): a batch decodes each row group it touches (README)
+            # small row groups (4096 rows): a batch decodes each row group it touches (docs/rollouts.md)
             writer.write_table(table, row_group_size=GROUP_SIZE * 512)
         writer.close()
     tmp.rename(path)
@@ -181,6 +183,7 @@ def main() -> None:
         writer = csv.DictWriter(f, fieldnames=list(results[0]))
         writer.writeheader()
         writer.writerows(results)
+    results_md.write(RESULTS / "rollout_scale.csv")
     plot(results, RESULTS / "rollout_scale.png")
     cols = list(results[0])
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))

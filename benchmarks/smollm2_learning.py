@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+import results_md
 from job_status import read_scalars  # benchmarks/, the script's folder
 
 REPO = Path(__file__).resolve().parents[1]
@@ -160,6 +161,7 @@ def main() -> None:
                              r(t, "online/truncated_fraction"), r(t, "grpo/entropy"), r(t, "time_metrics/end_to_end(s)"),
                              r(t, "online/generation_time(s)"), r(a, "accuracy"), r(a, "bare_number"),
                              r(e, "accuracy"), r(e, "bare_number")])
+    results_md.write(results / "smollm2_learning.csv")
 
     step_s = [t["time_metrics/end_to_end(s)"] for s, t in sorted(tags.items()) if "time_metrics/end_to_end(s)" in t]
     gen_s = [t["online/generation_time(s)"] for s, t in sorted(tags.items()) if "online/generation_time(s)" in t]

@@ -42,6 +42,7 @@ from pathlib import Path
 
 from harness import CONFIG, REPO, build_model
 from job_status import read_scalars, run_job
+import results_md
 
 VARIANTS = ("ce", "grpo_beta0", "grpo_beta0_unfused", "grpo_beta", "forward")
 GROUP_SIZE = 4
@@ -266,6 +267,7 @@ def main(argv=None) -> None:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
+    results_md.write(out / "step_time.csv")
     plot(rows, medians, out / "step_time.png")
     print("| variant | median step s | ratio to CE (rounds' min-max) | target | met | median step CPU s "
           "| ratio to CE, CPU (min-max) | target, CPU | met, CPU | reference pass s |\n"

@@ -204,7 +204,7 @@ class Online:
     """Run the cached sampler's decode step under torch.compile (static shapes: the whole cache, masked; row counts in powers of two)."""
 
     log_completions: bool = False
-    """Write every sampled completion, its prompt and rewards to <dump_folder>/completions/step-<n>-dp<r>.jsonl."""
+    """Write every sampled completion, its prompt and rewards to <dump_folder>/completions/batch-<n>-dp<r>.jsonl."""
 
     num_generations_eval: int = 1
     """Completions per held-out prompt at each evaluation ([validation] enable; TRL's num_generations_eval)."""
@@ -325,7 +325,7 @@ def validate_job(job_config) -> None:
     if g.use_bias_correction_kl and g.kl_estimator == "k3" and g.kl_max > 0:
         logger.warning(
             f"[grpo] use_bias_correction_kl with kl_max = {g.kl_max}: a capped token keeps only the ratio's gradient, "
-            "which lowers its log-prob where pi << pi_ref; set [grpo] kl_max = 0 with the correction (README, 'The loss')"
+            "which lowers its log-prob where pi << pi_ref; set [grpo] kl_max = 0 with the correction (docs/loss.md)"
         )
     if job_config.online.enable and job_config.online.behavior_logprobs == "sampler" and g.behavior_ratio_cap == 0:
         logger.warning('[online] behavior_logprobs = "sampler" with [grpo] behavior_ratio_cap = 0: the ratio to the '

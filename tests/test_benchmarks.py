@@ -31,6 +31,7 @@ def test_oom_variant_is_recorded_and_the_run_goes_on(tmp_path):
     assert oom["status"] == "OOM" and oom["peak_gib"] == oom["growth_gib"] == oom["time_s"] == ""
     assert "OutOfMemoryError" in oom["detail"]
     assert (tmp_path / "logprob_memory.png").stat().st_size > 0
+    assert "| chunked | reference | OOM |" in (tmp_path / "logprob_memory.md").read_text()
 
     table = [line for line in proc.stdout.splitlines() if line.startswith("| chunked | reference |")]
     assert table and "| OOM |" in table[0]
@@ -133,4 +134,5 @@ def test_generation_speed_smoke(tmp_path):
                                                                ("oracle", "4")]
     assert all(float(r["tokens_per_s"]) > 0 and r["same_tokens"] == "True" for r in rows)
     assert (tmp_path / "generation_speed.png").stat().st_size > 0
+    assert "| cached | 4 |" in (tmp_path / "generation_speed.md").read_text()
     assert "| 4 |" in proc.stdout

@@ -1,6 +1,6 @@
 """Faults: a rank lost mid-run; torchrun restarts the job, which resumes bitwise from the latest full checkpoint.
 
-The launch recipe (README, "A run that survives a lost rank"):
+The launch recipe (docs/reliability.md, "A lost rank"):
 
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --max-restarts 1 ...
 

@@ -14,7 +14,7 @@ KL_CLAMP, KL_MAX = 20.0, 10.0  # [grpo] kl_log_ratio_clamp and kl_max defaults, 
 
 
 def reference_token_loss(lp, old, ref, adv, w, mask, ent, clip_low, clip_high, beta, est, dual=0.0, cap=0.0, ent_coef=0.0):
-    """fp64, element by element, straight from the formulas in grpo-reference.md."""
+    """fp64, element by element, straight from the formulas in docs/loss.md."""
     out = torch.zeros_like(lp, dtype=torch.float64)
     B, T = lp.shape
     for b in range(B):

@@ -2,7 +2,7 @@
 
 Formats: JSONL (one JSON object per line) and Parquet. Layouts: flat rows (one completion per
 row, joined into groups by `group`) and grouped rows (a prompt with all its completions). Field
-names, the token layout and the EOS rule are in README.md, "Rollout file format".
+names, the token layout and the EOS rule are in docs/rollouts.md.
 
 One pass over the file checks and tokenizes every row, and keeps per completion only what
 batching needs: where its row is (byte offset or Parquet row), its slot in a grouped row, its
@@ -417,7 +417,7 @@ def index_rollouts(path: str, encoder: Encoder, *, fmt: str = "auto", group_size
     source = JsonlFile(path) if rollout_format(path, fmt) == "jsonl" else ParquetFile(path)
     if isinstance(source, ParquetFile) and source.largest_row_group > 256 * 2**20:
         logger.warning(f"{path}: a row group of {source.largest_row_group / 2**20:.0f} MiB is decoded whole for "
-                       "every batch that touches it; write the file with smaller row groups (README)")
+                       "every batch that touches it; write the file with smaller row groups (docs/rollouts.md)")
     cols, problems, rows, orphans = _Columns(), [], 0, 0
     grouped = source.grouped
     for line, offset, row in source.scan():

@@ -105,4 +105,4 @@ def check_restart_launch() -> None:
     """
     if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         logger.warning("torchrun --max-restarts is on, but the workers share the agent's TCPStore: a restart may fail "
-                       "to reconnect. Launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (README, 'Reliability')")
+                       "to reconnect. Launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (docs/reliability.md)")

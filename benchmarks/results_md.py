@@ -1,0 +1,145 @@
+"""A benchmark's CSV as a short Markdown table beside it (`<stem>.md`), the figures the docs include.
+
+Each benchmark calls `write(csv_path)` right after it writes a CSV. `python benchmarks/results_md.py`
+rewrites the tables of every CSV in benchmarks/results/ from the committed CSVs, running nothing;
+`python docs/generate.py` does the same and then copies the tables into the docs pages that include them.
+
+A table shows what `TABLES` picks for the CSV's name (the longest matching prefix): some columns, a
+few rows, or a summary of the rows; a CSV without an entry is shown whole.
+"""
+
+import csv
+import statistics
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def pct(value: str) -> str:
+    return f"{float(value):.1%}" if value else ""
+
+
+def mib(gib: str) -> str:
+    return f"{float(gib) * 1024:.1f}" if gib else ""
+
+
+def share(ratio: str) -> str:
+    return f"{float(ratio):.1%}" if ratio else ""
+
+
+def logprob_memory(rows):
+    # growth_vs_shard is a ratio; OOM and other failed rows have no figures
+    return [{
+        "variant": r["variant"], "pass": r["pass"], "status": r.get("status", "ok"), "T": r["seq"], "V": r["vocab"],
+        "TP": r["tp"], "chunk": r["chunk"], "growth (MiB)": mib(r["growth_gib"]),
+        "growth / logits shard": share(r["growth_vs_shard"]), "CPU s": f"{float(r['cpu_s']):.2f}" if r["cpu_s"] else "",
+        "max abs diff vs gather": r["max_abs_diff_vs_gather"],
+    } for r in rows]
+
+
+def learning_signal(rows):
+    before = [float(r["margin_before"]) for r in rows]
+    after = [float(r["margin_after"]) for r in rows]
+    return [
+        {f"{len(rows)} held-out groups": "mean margin (nats)", "before": f"{statistics.mean(before):+.2f}",
+         "after": f"{statistics.mean(after):+.2f}"},
+        {f"{len(rows)} held-out groups": "median margin (nats)", "before": f"{statistics.median(before):+.2f}",
+         "after": f"{statistics.median(after):+.2f}"},
+        {f"{len(rows)} held-out groups": "groups whose margin rose", "before": "",
+         "after": f"{sum(a > b for a, b in zip(after, before)) / len(rows):.0%}"},
+    ]
+
+
+def online_learning(rows):
+    return [{"online step": r["step"], "greedy exact match": pct(r["heldout_greedy"]),
+             "sampled (temperature 1)": pct(r["heldout_sampled"]), "prompts with mixed draws": pct(r["heldout_mixed"])}
+            for r in rows if r["heldout_greedy"]]
+
+
+def smollm2_learning(rows):
+    return [{"step": r["step"], "transformers greedy, last number right": pct(r["transformers_accuracy"]),
+             "the run's own greedy evaluation": pct(r["run_eval_accuracy"]),
+             "bare-number replies": pct(r["transformers_bare_number"] or r["run_eval_bare_number"])}
+            for r in rows if r["transformers_accuracy"] or r["run_eval_accuracy"]]
+
+
+def memory_soak(rows, warmup=500):
+    from memory_soak import summarize, typed  # this folder
+
+    return [{"rank": s["rank"], "VmRSS at step 1 / 500 / last (MiB)":
+             f"{s['rss_first']:.1f} / {s['rss_warm']:.1f} / {s['rss_last']:.1f} (step {s['last_step']})",
+             "VmRSS slope from step 500 (MiB / 1,000 steps)": f"{s['rss_slope']:+.2f} ± {s['rss_se']:.2f}",
+             "window-max slope": f"{s['win_max_slope']:+.2f} ± {s['win_max_se']:.2f}"}
+            for s in summarize(typed(rows), warmup)]
+
+
+def columns(*names):
+    """Keep these columns, renamed where a pair (column, header) is given."""
+    pairs = [n if isinstance(n, tuple) else (n, n) for n in names]
+    return lambda rows: [{header: r.get(col, "") for col, header in pairs} for r in rows]
+
+
+# CSV name prefix -> (the script that writes it, rows -> table rows; None: the CSV as it is)
+TABLES = {
+    "fused_precision": ("fused_precision.py", columns("path", ("dh_error", "dL/dh error"), ("dw_error", "dL/dW error"))),
+    "generation_profile": ("generation_vs_transformers.py", columns(
+        "batch", "new_tokens", "model_layers", "layers", "output", "sampling", "rest", "decode_cpu_s", "prefill_cpu_s")),
+    "generation_speed": ("generation_speed.py", columns(
+        "sampler", "new_tokens", ("tokens_per_s", "tok/s"), ("tokens_per_cpu_s", "tok/CPU-s"),
+        ("speedup", "cached / oracle"), ("speedup_cpu", "cached / oracle (CPU)"), "same_tokens")),
+    "generation_vs_transformers": ("generation_vs_transformers.py", columns(
+        "workload", "engine", ("batch", "B"), "prompt_len", "group", "new_tokens", "cpu_s", "mean_length",
+        ("tokens_per_cpu_s", "tok/CPU-s"), ("ours_vs_transformers", "ours / transformers"))),
+    "learning_signal": ("learning_signal.py", learning_signal),
+    "logprob_memory": ("logprob_memory.py", logprob_memory),
+    "memory_soak": ("memory_soak.py", memory_soak),
+    "online_learning": ("learning_signal.py --online", online_learning),
+    "reference_offload": ("reference_offload.py", None),
+    "rollout_scale": ("rollout_scale.py", columns(
+        "content", "format", ("file_mb", "file (MB)"), "rows", ("index_s", "indexing pass (s)"),
+        ("cpu_us_per_row", "CPU per row (µs)"), ("first_batch_s", "first batch (s)"), ("index_mb", "index (MB)"),
+        ("peak_rss_growth_mb", "peak RSS growth (MB)"))),
+    "smollm2_learning": ("smollm2_learning.py", smollm2_learning),
+    "step_time": ("step_time.py", columns(
+        "variant", ("median_step_cpu_s", "CPU s / step"), ("ratio_to_ce_cpu", "/ cross-entropy"),
+        ("ratio_min_cpu", "min over rounds"), ("ratio_max_cpu", "max over rounds"), ("target_ratio_cpu", "target"),
+        ("meets_target_cpu", "meets target"))),
+}
+
+
+def table(csv_path: Path) -> str:
+    """The Markdown for one CSV: the picked rows and columns, then the file it came from."""
+    csv_path = Path(csv_path)
+    stem = csv_path.stem
+    key = max((k for k in TABLES if stem.startswith(k)), key=len, default=None)
+    script, pick = TABLES[key] if key else ("", None)
+    with open(csv_path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    rows = pick(rows) if pick else rows
+    if not rows:
+        return f"`{csv_path.name}` holds no rows.\n"
+    header = list(rows[0])
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(r[h]) for h in header) + " |" for r in rows]
+    source = f"`{csv_path.name}`" + (f", written by `benchmarks/{script}`" if script else "")
+    return "\n".join(lines) + f"\n\nFrom {source}.\n"
+
+
+def write(csv_path: Path) -> Path:
+    """Write `<stem>.md` beside the CSV; returns its path."""
+    csv_path = Path(csv_path)
+    md = csv_path.with_suffix(".md")
+    md.write_text(table(csv_path))
+    return md
+
+
+def main(argv=None) -> int:
+    paths = [Path(p) for p in (argv if argv is not None else sys.argv[1:])] or sorted(RESULTS.glob("*.csv"))
+    for path in paths:
+        print(f"wrote {write(path)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
