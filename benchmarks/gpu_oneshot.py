@@ -1,5 +1,5 @@
 """One shot on one lent GPU: set-up, the log-prob benchmark, the reference-offload benchmark, generation against
-transformers' generate and a 20-step GRPO run.
+transformers' generate, padding-free against padded rows (the varlen kernel) and a 20-step GRPO run.
 
 Run from the repo root of a copy of the work tree, on a machine with one CUDA GPU and no package
 registry (the device tool's H200: Python 3.12, torch 2.11); the pure-Python packages it lacks travel
@@ -48,7 +48,7 @@ CARRIED = ("torchtitan==0.2.2", "torchdata==0.11.0", "tyro==1.0.17", "docstring-
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64")
 # Share of --budget per part; a part may also use what the parts before it left unused.
-SHARES = {"setup": 0.06, "logprob": 0.34, "offload": 0.12, "generation": 0.14, "grpo": 0.34}
+SHARES = {"setup": 0.06, "logprob": 0.30, "offload": 0.12, "generation": 0.14, "padding_free": 0.06, "grpo": 0.32}
 # gather first: the baseline of the diff column, and likely a quick OOM; then the unchunked compiled
 # pass that the fused pass's targets are ratios to, and the fused pass (policy) / blocked pass
 # (reference) that issue 10 built; should the part's time run out, the older chunked ones are left out
@@ -296,6 +296,15 @@ def part_generation(run: Run, timeout: float) -> None:
     run.sections.append("\n".join(lines))
 
 
+def part_padding_free(run: Run, timeout: float) -> None:
+    """benchmarks/padding_free.py --check: padding-free against padded rows on the device (CUDA: the varlen kernel)."""
+    cmd = [sys.executable, "benchmarks/padding_free.py", "--check", run.mode["device"]]
+    status, detail, output = run.job("padding-free check", cmd, timeout)
+    section = [line for line in output.splitlines() if line.startswith(("###", "|")) or not line.strip()]
+    run.sections.append("\n".join(section).strip() if any(x.startswith("|") for x in section)
+                        else f"### Padding-free check\n\nno results: {status} {detail}")
+
+
 def write_rollouts(path: Path, mode: dict, seed: int = 0) -> None:
     """Grouped, pre-tokenized rollouts; ids below the bundled tokenizer's 2048, so valid for Qwen3's vocab too."""
     rng = random.Random(seed)
@@ -410,7 +419,7 @@ def grpo_summary(steps: dict, status: str, compiled: bool) -> str:
 
 
 PARTS = {"setup": part_setup, "logprob": part_logprob, "offload": part_offload, "generation": part_generation,
-         "grpo": part_grpo}
+         "padding_free": part_padding_free, "grpo": part_grpo}
 
 
 def main(argv=None) -> int:

@@ -6,7 +6,7 @@ Shapes:
     smollm2     SmolLM2-135M's shape (smollm2_135m flavor: width, heads, vocabulary 49,152) cut to --smollm2-layers
                 layers, 1 rank, seq_len 1,088, B = 8
 Length spreads (prompt 64 tokens, the rest completion):
-    long_tail   the quantiles of a log-normal whose median is a fifth of seq_len (sigma 0.86), as reasoning
+    long_tail   the quantiles of a log-normal whose median is a fifth of seq_len (sigma 0.95), as reasoning
                 completions spread: 29% of the padded tokens are real
     full        every sequence seq_len long: 100% real, where padding-free can only cost
 
@@ -20,7 +20,16 @@ Simplifications:
 3. A shared CPU is noisy: layouts run interleaved, --repeats rounds in alternating order, and each
    ratio (padding-free over padded) is taken within a round; the table gives the median over rounds.
 
-Usage: python benchmarks/padding_free.py [--repeats 3] [--steps 2] [--shapes debug_tp2,smollm2]
+Then, with --online-steps N > 0, the SmolLM2 online example (train_configs/smollm2_online_cpu.toml, which needs
+the converted folder outputs/smollm2_135m, docs/real_models.md) for N steps with padding-free training on and off,
+interleaved the same way, evaluation off: torchtitan's time_metrics/end_to_end(s) (generation included) and
+the trainer's grpo/real_token_fraction, medians over the steps after the first.
+
+--check DEVICE (gpu_oneshot.py's padding-free part) instead compares the two layouts on one device, 1 rank, the
+debug model at seq_len 1,088 on the long-tail spread, in fp32 and under bf16 autocast (on CUDA the varlen
+flash kernel): log-probs, loss, grad norm and step time, printed as a Markdown section.
+
+Usage: python benchmarks/padding_free.py [--repeats 3] [--steps 2] [--shapes debug_tp2,smollm2] [--online-steps 8]
 Writes <out>/padding_free.csv, .png and .md (default benchmarks/results/) and prints the table.
 """
 
@@ -35,7 +44,9 @@ import sys
 import time
 from pathlib import Path
 
+import results_md
 from harness import REPO
+from job_status import read_scalars, run_job
 
 SEQ_LEN, BATCH, PROMPT = 1088, 8, 64
 SHAPES = {
@@ -51,7 +62,7 @@ def lengths(spread: str) -> list[int]:
     if spread == "full":
         return [SEQ_LEN] * BATCH
     z = [statistics.NormalDist().inv_cdf((i + 0.5) / BATCH) for i in range(BATCH)]
-    return [min(SEQ_LEN, max(PROMPT + 8, round(SEQ_LEN / 5 * math.exp(0.86 * x)))) for x in z]
+    return [min(SEQ_LEN, max(PROMPT + 8, round(SEQ_LEN / 5 * math.exp(0.95 * x)))) for x in z]
 
 
 def worker(spec: dict) -> None:
@@ -112,6 +123,60 @@ def worker(spec: dict) -> None:
         dist.destroy_process_group()
 
 
+def check(device: str) -> None:
+    """Padded against padding-free on one device: agreement and step time, as a Markdown section on stdout."""
+    import torch
+
+    from harness import build_model
+    from plugin.data.batch import Collate
+    from plugin.data.rollouts import Completion
+    from plugin.scoring.loss import build_grpo_loss
+
+    lens = lengths("long_tail")
+    g = torch.Generator().manual_seed(0)
+    batch = [Completion(torch.randint(3, 2048, (n + 1,), generator=g).tolist(), PROMPT, float(i % 2))
+             for i, n in enumerate(lens)]
+    lines = [f"### Padding-free against padded, {device}: debugmodel, 1 rank, seq_len {SEQ_LEN}, B = {BATCH}, "
+             f"{sum(lens) / (BATCH * SEQ_LEN):.0%} real tokens", "",
+             "| compute | max abs log-prob diff | loss rel diff | grad norm rel diff | padded step (s) | padding-free step (s) |",
+             "|---|---:|---:|---:|---:|---:|"]
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for compute in ("fp32", "bf16 autocast"):
+        out = {}
+        for layout in ("padded", "padding_free"):
+            flag = "--grpo.padding_free" if layout == "padding_free" else "--grpo.no_padding_free"
+            model, cfg, *_ = build_model("--parallelism.tensor_parallel_degree", "1", "--training.seq_len", str(SEQ_LEN),
+                                         flag, device=device)
+            loss_fn = build_grpo_loss(cfg)
+            inputs, labels = Collate(SEQ_LEN, 0, cfg.grpo, 2)(
+                torch.tensor([c.reward for c in batch]), torch.tensor([len(c.tokens) - PROMPT for c in batch]),
+                list(range(BATCH)), batch)
+            kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items() if k != "input"}
+            tokens, labels = inputs["input"].to(device), labels.to(device)
+            amp = torch.autocast(device, dtype=torch.bfloat16, enabled=compute != "fp32")
+            times = []
+            for i in range(4):
+                model.zero_grad(set_to_none=True)
+                sync()
+                start = time.perf_counter()
+                with amp:
+                    pred = model(tokens, **kwargs)
+                    loss = loss_fn(pred, labels) / int((labels != -100).sum())
+                loss.backward()
+                sync()
+                times.append(time.perf_counter() - start)
+            padded_pred, padded_labels = pred.padded(labels)
+            mask = padded_labels != -100
+            norm = sum(float(p.grad.double().pow(2).sum()) for p in model.parameters() if p.grad is not None) ** 0.5
+            out[layout] = (padded_pred.logprobs.detach()[mask].float().cpu(), float(loss), norm,
+                           statistics.median(times[1:]))
+            del model, pred
+        (lp_a, loss_a, norm_a, t_a), (lp_b, loss_b, norm_b, t_b) = out["padded"], out["padding_free"]
+        lines.append(f"| {compute} | {float((lp_a - lp_b).abs().max()):.2e} | {abs(loss_b - loss_a) / abs(loss_a):.2e} | "
+                     f"{abs(norm_b - norm_a) / norm_a:.2e} | {t_a:.3f} | {t_b:.3f} |")
+    print("\n".join(lines), flush=True)
+
+
 def measure(args, shape: str, spread: str, layout: str) -> dict:
     s = SHAPES[shape]
     spec = dict(layout=layout, tp=s["tp"], overrides=s["overrides"], lengths=lengths(spread), steps=args.steps,
@@ -144,11 +209,40 @@ def run(args) -> list[dict]:
     return rows
 
 
+def online_example(args) -> list[dict]:
+    """The SmolLM2 online example's step with padding-free training on and off, interleaved over rounds."""
+    import tempfile
+
+    rows = []
+    for r in range(args.repeats):
+        for layout in ("padded", "padding_free") if r % 2 == 0 else ("padding_free", "padded"):
+            dump = Path(tempfile.mkdtemp(prefix=f"pf_online_{layout}_"))
+            flag = "--grpo.padding_free" if layout == "padding_free" else "--grpo.no_padding_free"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "-m", "torchtitan.train",
+                   "--job.config_file", "train_configs/smollm2_online_cpu.toml", "--job.dump_folder", str(dump),
+                   "--training.steps", str(args.online_steps), "--validation.no_enable", flag]
+            code, out = run_job(cmd, env={**os.environ, "OMP_NUM_THREADS": "2"}, cwd=REPO)
+            if code != 0:
+                raise RuntimeError(f"the SmolLM2 online example failed ({layout}):\n{out[-3000:]}")
+            steps = read_scalars(dump)
+            timed = [steps[k] for k in sorted(steps) if k > 1]
+            rows.append(dict(shape="smollm2_online_example", spread="online", layout=layout, round=r,
+                             real_fraction=round(statistics.median(x["grpo/real_token_fraction"] for x in timed), 4),
+                             step_s=round(statistics.median(x["time_metrics/end_to_end(s)"] for x in timed), 4),
+                             real_tokens_per_s="", peak_rss_growth_gib=""))
+            print(rows[-1], flush=True)
+    return rows
+
+
 def summary(rows: list[dict]) -> list[dict]:
-    """Per shape and spread: padding-free over padded, within each round, the median over rounds."""
+    """Per shape and spread: padding-free over padded, within each round, the median over rounds (rows as written to,
+    or read from, the CSV)."""
+    num = lambda v: float(v) if v not in ("", None) else math.nan  # noqa: E731
+    rows = [{**r, **{k: num(r[k]) for k in ("real_fraction", "step_s", "peak_rss_growth_gib")}, "round": int(r["round"])}
+            for r in rows]
     out = []
     for shape in dict.fromkeys(r["shape"] for r in rows):
-        for spread in SPREADS:
+        for spread in (*SPREADS, "online"):
             sel = [r for r in rows if r["shape"] == shape and r["spread"] == spread]
             if not sel:
                 continue
@@ -156,24 +250,29 @@ def summary(rows: list[dict]) -> list[dict]:
             pick = lambda layout, rnd: next(r for r in sel if r["layout"] == layout and r["round"] == rnd)  # noqa: E731
             speedups = [pick("padded", k)["step_s"] / pick("padding_free", k)["step_s"] for k in rounds]
             mem = [pick("padding_free", k)["peak_rss_growth_gib"] / max(pick("padded", k)["peak_rss_growth_gib"], 1e-9)
-                   for k in rounds]
-            out.append(dict(shape=shape, spread=spread, real_fraction=sel[0]["real_fraction"],
+                   for k in rounds if spread != "online"]
+            # the share of the padded layout's tokens that are real
+            out.append(dict(shape=shape, spread=spread, real_fraction=pick("padded", rounds[0])["real_fraction"],
                             padded_step_s=statistics.median(pick("padded", k)["step_s"] for k in rounds),
                             padding_free_step_s=statistics.median(pick("padding_free", k)["step_s"] for k in rounds),
                             real_tps_ratio=round(statistics.median(speedups), 3),
                             ratio_range=f"{min(speedups):.2f}-{max(speedups):.2f}",
-                            peak_memory_ratio=round(statistics.median(mem), 3)))
+                            peak_memory_ratio=round(statistics.median(mem), 3) if mem else math.nan))
     return out
 
 
-def markdown(table: list[dict]) -> str:
-    lines = ["| shape | spread | real tokens | padded step (s) | padding-free step (s) | real tokens/s, padding-free / padded "
-             "(range) | peak memory, padding-free / padded |", "|---|---|---:|---:|---:|---:|---:|"]
-    for t in table:
-        lines.append(f"| {t['shape']} | {t['spread']} | {100 * t['real_fraction']:.0f}% | {t['padded_step_s']:.2f} | "
-                     f"{t['padding_free_step_s']:.2f} | {t['real_tps_ratio']:.2f}x ({t['ratio_range']}) | "
-                     f"{t['peak_memory_ratio']:.2f} |")
-    return "\n".join(lines) + "\n"
+def table_rows(rows: list[dict]) -> list[dict]:
+    """The Markdown table's rows (benchmarks/results_md.py renders them)."""
+    out = []
+    for t in summary(rows):
+        online = t["spread"] == "online"  # the whole step, generation included
+        out.append({"shape": t["shape"], "spread": "online step" if online else t["spread"],
+                    "real tokens (padded layout)": f"{t['real_fraction']:.0%}",
+                    "padded step (s)": f"{t['padded_step_s']:.2f}", "padding-free step (s)": f"{t['padding_free_step_s']:.2f}",
+                    "speed-up: real tokens/s, padding-free / padded": f"{t['real_tps_ratio']:.2f}x",
+                    "range over rounds": t["ratio_range"],
+                    "peak memory, padding-free / padded": "-" if online else f"{t['peak_memory_ratio']:.2f}"})
+    return out
 
 
 def plot(table: list[dict], path: Path) -> None:
@@ -182,7 +281,7 @@ def plot(table: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, ax = plt.subplots(figsize=(8, 3.8))
     labels = [f"{t['shape']}\n{t['spread']} ({100 * t['real_fraction']:.0f}% real)" for t in table]
     ax.bar(labels, [t["real_tps_ratio"] for t in table], color="tab:blue")
     ax.axhline(1.0, color="gray", lw=0.8)
@@ -197,15 +296,21 @@ def plot(table: list[dict], path: Path) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--check", metavar="DEVICE", help="compare the layouts on DEVICE (cpu, cuda) and print a section")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--shapes", default="debug_tp2,smollm2")
     p.add_argument("--smollm2-layers", type=int, default=4, help="SmolLM2's 30 layers cut to this many")
+    p.add_argument("--online-steps", type=int, default=0, help="steps of the SmolLM2 online example each way; 0: skip")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = p.parse_args(argv)
     if args.worker:
         return worker(json.loads(args.worker))
-    rows = run(args)
+    if args.check:
+        return check(args.check)
+    rows = run(args) if args.shapes else []
+    if args.online_steps:
+        rows += online_example(args)
     table = summary(rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -213,12 +318,9 @@ def main(argv=None) -> None:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
         w.writerows(rows)
-    md = markdown(table)
-    (out / "padding_free.md").write_text(
-        "Written by `python benchmarks/padding_free.py` (its docstring says what is measured); per-round rows in "
-        "padding_free.csv.\n\n" + md)
+    md = results_md.write(out / "padding_free.csv")
     plot(table, out / "padding_free.png")
-    print(md)
+    print(md.read_text())
 
 
 if __name__ == "__main__":

@@ -80,6 +80,12 @@ def columns(*names):
     return lambda rows: [{header: r.get(col, "") for col, header in pairs} for r in rows]
 
 
+def padding_free(rows):
+    from padding_free import table_rows  # benchmarks/padding_free.py: its summary over rounds
+
+    return table_rows(rows)
+
+
 # CSV name prefix -> (the script that writes it, rows -> table rows; None: the CSV as it is)
 TABLES = {
     "fused_precision": ("fused_precision.py", columns("path", ("dh_error", "dL/dh error"), ("dw_error", "dL/dW error"))),
@@ -95,6 +101,7 @@ TABLES = {
     "logprob_memory": ("logprob_memory.py", logprob_memory),
     "memory_soak": ("memory_soak.py", memory_soak),
     "online_learning": ("learning_signal.py --online", online_learning),
+    "padding_free": ("padding_free.py", padding_free),
     "reference_offload": ("reference_offload.py", None),
     "rollout_scale": ("rollout_scale.py", columns(
         "content", "format", ("file_mb", "file (MB)"), "rows", ("index_s", "indexing pass (s)"),

@@ -1,9 +1,11 @@
 """Every loss aggregation gives the same loss and gradients on one global batch, however it is split.
 
-One global batch of 16 completions (4 groups) per step, from the same seed weights:
-1 rank; FSDP=2 (8 per rank); TP=2; 1 rank with 2 gradient-accumulation microbatches of 8.
-torchtitan divides each microbatch's loss sum by the global completion-token count; the
-per-completion weights built by the data pipeline make that exact for every mode.
+One global batch of 16 completions (4 groups) per step, from the same seed weights: 1 rank with
+padded rows ([grpo] padding_free = false) against padding-free FSDP=2 (8 per rank), TP=2, and 1
+rank with 2 gradient-accumulation microbatches of 8, whose completions are balanced by tokens
+over ranks and microbatches. torchtitan divides each microbatch's loss sum by the global
+completion-token count; the per-completion weights built by the data pipeline make that exact
+for every mode, whichever microbatch a completion lands in.
 """
 
 import pytest
@@ -25,7 +27,7 @@ RTOL = 1e-4
 def test_aggregation_is_exact_across_parallelisms(mode, seed_checkpoint, tmp_path_factory):
     flags = ["--grpo.loss_aggregation", mode, "--grpo.advantage_norm", "batch_std"]
     one = scalars(train(tmp_path_factory, seed_checkpoint, f"{mode}_1rank", 1,
-                        "--parallelism.tensor_parallel_degree", "1", *flags, steps=2))
+                        "--parallelism.tensor_parallel_degree", "1", "--grpo.no_padding_free", *flags, steps=2))
     for name, (nproc, extra) in SETUPS.items():
         tb = scalars(train(tmp_path_factory, seed_checkpoint, f"{mode}_{name}", nproc, *extra, *flags, steps=2))
         # on-policy, step 1's loss is -mean(A) (0 for the seq modes); grad norms and step 2's loss

@@ -22,6 +22,8 @@ RUNS = {
     # half the local batch on each of 2 ranks: the same 16-completion global batch
     "fsdp2": (2, ["--parallelism.tensor_parallel_degree", "1", "--parallelism.data_parallel_shard_degree", "2",
                   "--training.local_batch_size", "8"]),
+    # the runs above are padding-free (the default); this one pads every sequence to seq_len
+    "padded": (1, ["--parallelism.tensor_parallel_degree", "1", "--grpo.no_padding_free"]),
 }
 
 
@@ -46,11 +48,23 @@ def test_tensorboard_has_grpo_and_memory_tags(runs, name):
 def test_same_losses_across_parallelisms(runs):
     tb = {name: scalars(dump) for name, dump in runs.items()}
     single = tb["single"]
-    for name in ("tp2", "fsdp2"):
+    for name in ("tp2", "fsdp2", "padded"):
         # step 1's loss is -mean(A) on-policy; grad_norm and later losses depend on the weights
         assert tb[name]["loss_metrics/global_avg_loss"] == pytest.approx(single["loss_metrics/global_avg_loss"], rel=RTOL)
         assert tb[name]["grad_norm"] == pytest.approx(single["grad_norm"], rel=RTOL)
         assert tb[name]["grpo/kl"][1:] == pytest.approx(single["grpo/kl"][1:], rel=1e-3)
+
+
+def test_real_token_metrics_count_what_the_passes_compute(runs):
+    """grpo/real_token_fraction: the bundled rows fill 8-15 of seq_len 16 positions, all of a padding-free row
+    (TP=2 rounds it up by at most one token); grpo/real_tps is torchtitan's tps times that fraction."""
+    padded, free, tp2 = (scalars(runs[name]) for name in ("padded", "single", "tp2"))
+    assert all(0.5 < f < 0.95 for f in padded["grpo/real_token_fraction"])
+    assert free["grpo/real_token_fraction"] == pytest.approx([1.0] * STEPS)
+    assert all(f > 0.99 for f in tp2["grpo/real_token_fraction"])
+    for tb in (padded, free):
+        want = [t * f for t, f in zip(tb["throughput(tps)"], tb["grpo/real_token_fraction"])]
+        assert tb["grpo/real_tps"] == pytest.approx(want, rel=0.05)  # the two read the clock a moment apart
 
 
 @pytest.mark.parametrize("name", ["tp2", "fsdp2"])

@@ -18,7 +18,8 @@ TWIN = "train_configs/gpu_twin_cpu.toml"
 
 QWEN3 = ["--model.name", "grpo_qwen3"]
 LAYOUTS = {
-    "single": (1, ["--parallelism.tensor_parallel_degree", "1"]),
+    # padded rows: every other layout is padding-free (the default), so each is also held to the padded path
+    "single": (1, ["--parallelism.tensor_parallel_degree", "1", "--grpo.no_padding_free"]),
     "tp2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
     "fsdp2": (2, ["--parallelism.tensor_parallel_degree", "1", "--parallelism.data_parallel_shard_degree", "2",
                   "--training.local_batch_size", "8"]),

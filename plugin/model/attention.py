@@ -4,10 +4,11 @@ A packed microbatch is one row [1, T] of whole sequences laid end to end, their 
 restarting at 0 at each sequence (plugin.data.batch). torchtitan's Attention takes sequence
 boundaries as a `VarlenMetadata` when its `attn_type` is "varlen"; `use_packed_attention` sets
 that on every block and makes a `PackedAttention` its `inner_attention`:
-- CUDA: torch's variable-length flash kernel (torch.nn.attention.varlen), as torchtitan's varlen.
-- elsewhere: SDPA per sequence on its slice of q/k/v, the fast path on CPU (flex attention has no
-  CPU backward, and one dense block-diagonal [T, T] mask gives much of the gain back). Under
-  torch.compile the loop is one opaque custom op: the sequence lengths are data, not shapes.
+- CUDA in bf16/fp16: torch's variable-length flash kernel (torch.nn.attention.varlen), as torchtitan's varlen.
+- elsewhere: SDPA over buckets of sequences of similar lengths, each right-padded to its bucket's
+  longest, the fast path on CPU (flex attention has no CPU backward, and one dense block-diagonal
+  [T, T] mask gives much of the gain back). Under torch.compile it is one opaque custom op: the
+  sequence lengths are data, not shapes.
 The boundaries come from the plugin's positions, never from EOS ids: a completion's closing EOS is
 not in the input, and chat templates put `<|im_end|>` inside prompts.
 """
@@ -136,7 +137,7 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: 
                      scale: float | None = None) -> torch.Tensor:
     """Causal attention within each sequence of `bounds`: [N, H, hd] q, [N, H_kv, hd] k and v -> [N, H, hd]."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if q.is_cuda:
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):  # the flash kernel's dtypes
         from torch.nn.attention.varlen import varlen_attn
 
         return varlen_attn(q, k, v, bounds.cu_seq_q, bounds.cu_seq_k, bounds.max_q, bounds.max_k, scale=scale,
