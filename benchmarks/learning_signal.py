@@ -79,7 +79,8 @@ def heldout_margins(model: torch.nn.Module, path: Path = HELDOUT) -> np.ndarray:
     tokenizer = HuggingFaceTokenizer(str(REPO / "plugin/assets/tokenizer"))
     index = index_rollouts(str(path), Encoder(tokenizer, tokenizer.get_vocab_size(), SEQ_LEN))
     items = np.arange(len(index.offsets))
-    inputs, labels = Collate(SEQ_LEN, tokenizer.eos_id, GRPO(), index.group_size)(
+    # padded rows: each row is one held-out completion, summed below
+    inputs, labels = Collate(SEQ_LEN, tokenizer.eos_id, GRPO(padding_free=False), index.group_size)(
         torch.from_numpy(index.rewards), torch.from_numpy(index.lengths).long(), items.tolist(), index.read(items)
     )
     logits = model(inputs["input"])  # [B, T, V]: no labels, so torchtitan's own forward
