@@ -124,7 +124,7 @@ def test_per_sequence_attention_matches_each_sequence_alone_and_never_mixes():
 def _model(padding_free: bool, *extra: str):
     model, cfg, *_ = build_model("--parallelism.tensor_parallel_degree", "1", "--training.seq_len", str(SEQ_LEN),
                                  "--grpo.entropy_coef", "0.01", "--grpo.logprob_chunk_tokens", "24",
-                                 *(["--grpo.padding_free"] if padding_free else []), *extra)
+                                 "--grpo.padding_free" if padding_free else "--grpo.no_padding_free", *extra)
     model.reference.load_once(model, torch.device("cpu"))
     with torch.no_grad():  # a reference away from the policy: KL and its gradient are not 0
         g = torch.Generator().manual_seed(1)
@@ -141,6 +141,7 @@ def step(padding_free: bool, *extra: str, batch=None, keep=None):
     inputs, labels = Collate(SEQ_LEN, 0, cfg.grpo, 2)(
         torch.tensor([c.reward for c in batch]), torch.tensor([len(c.tokens) - c.prompt_len for c in batch]),
         list(range(len(batch))), batch, keep)
+    assert inputs["rollouts"].packed == padding_free and (inputs["input"].shape[0] == 1) == padding_free
     pred = model(inputs["input"], **{k: v for k, v in inputs.items() if k != "input"})
     loss = build_grpo_loss(cfg)(pred, labels) / max(int((labels != -100).sum()), 1)
     loss.backward()
@@ -179,3 +180,23 @@ def test_a_packed_microbatch_trains_as_the_padded_one(case):
     norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values()))
     p_norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in p_grads.values()))
     assert abs(p_norm - norm) <= 1e-4 * norm
+
+
+def test_length_buckets_cover_every_sequence_once_within_their_slack():
+    from plugin.model.attention import BUCKET_FREE, BUCKET_SLACK, length_buckets
+
+    lengths = [1088, 900, 60, 61, 300, 290, 5, 3, 700, 64, 1]
+    buckets = length_buckets(lengths)
+    assert sorted(i for b in buckets for i in b) == list(range(len(lengths)))
+    for b in buckets:
+        longest = max(lengths[i] for i in b)
+        assert lengths[b[0]] == longest
+        assert len(b) * longest**2 <= BUCKET_SLACK * sum(lengths[i] ** 2 for i in b) + BUCKET_FREE
+    assert len(buckets) < len(lengths)  # similar lengths share a call
+    assert length_buckets([16] * 12) == [list(range(12))]  # equal lengths: one call
+
+
+def test_an_attention_without_a_per_sequence_path_stops_at_start_up_naming_the_key():
+    with pytest.raises(ValueError, match=r"\[grpo\] padding_free = true needs the flavor's SDPA attention.*'flex'"):
+        _model(True, "--model.flavor", "debugmodel_flex_attn")
+    _model(False, "--model.flavor", "debugmodel_flex_attn")  # padded, the flavor's own attention

@@ -65,7 +65,7 @@ def _attend_each(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list
     """
     gqa = q.shape[1] != k.shape[1]
     starts, lengths = bounds[:-1], [e - s for s, e in zip(bounds[:-1], bounds[1:])]
-    out = torch.empty_like(q)
+    where, values = [], []
     for bucket in length_buckets(lengths):
         longest = lengths[bucket[0]]
         offsets = torch.arange(longest, device=q.device)
@@ -76,8 +76,10 @@ def _attend_each(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list
         index = first[:, None] + torch.where(real, offsets[None], 0)
         piece = [t[index].transpose(1, 2) for t in (q, k, v)]  # [n, H, longest, hd]
         o = F.scaled_dot_product_attention(*piece, is_causal=True, scale=scale, enable_gqa=gqa).transpose(1, 2)
-        out = out.index_put((index[real],), o[real])
-    return out
+        where.append(index[real])
+        values.append(o[real])
+    # the buckets cover every token once: one scatter into the packed layout
+    return q.new_empty(q.shape).index_put((torch.cat(where),), torch.cat(values))
 
 
 @torch.library.custom_op("grpo::attend_each", mutates_args=())
