@@ -287,7 +287,8 @@ def plot(table: list[dict], path: Path) -> None:
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.axhline(2.0, color="tab:green", lw=0.8, ls="--", label="goal at 29% real: 2x")
     ax.set_ylabel("real tokens/s, padding-free / padded")
-    ax.set_title(f"GRPO step (policy + reference, fwd + bwd), seq_len {SEQ_LEN}, B = {BATCH}")
+    ax.set_title(f"GRPO step (policy + reference, fwd + bwd), seq_len {SEQ_LEN}, B = {BATCH}\n"
+                 "(the online example: its own config, whole steps)", fontsize=10)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
