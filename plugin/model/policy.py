@@ -140,6 +140,11 @@ class GRPOModel:
             attention_masks = sequence_bounds(tokens, positions)
         h = self.tok_embeddings(tokens)
         rope = getattr(self, self.rope_buffer)
+        if positions is not None and positions.shape[0] == 1:
+            # the table's rows at the row's positions: each block takes its first T rows, as without positions, and no
+            # block indexes by data (qwen3's TP plan makes the table a DTensor there, which compiled blocks cannot
+            # index with dynamically shaped positions)
+            rope, positions = rope[positions[0]], None
         for layer in self.layers.values():
             h = layer(h, rope, attention_masks, positions)
         return h
