@@ -66,8 +66,10 @@ class Rollouts:
                 setattr(self, name, value)
 
     def to(self, device: torch.device) -> "Rollouts":
-        move = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
-        return Rollouts(*(move(getattr(self, name)) for name in self.__slots__))
+        """The per-completion and per-token values on `device`; `seq_lens`, the layout, stays on the host, so
+        the indices made from it need no device sync."""
+        move = lambda name, t: t.to(device) if isinstance(t, torch.Tensor) and name != "seq_lens" else t  # noqa: E731
+        return Rollouts(*(move(name, getattr(self, name)) for name in self.__slots__))
 
     def token_rows(self, numel: int) -> torch.Tensor:
         """[numel] the completion of each position of the flattened per-token tensors (a packed row's padding:
@@ -75,20 +77,20 @@ class Rollouts:
         B, device = self.advantages.numel(), self.advantages.device
         if not self.packed:
             return torch.arange(numel, device=device) // (numel // B)
-        rows = torch.repeat_interleave(torch.arange(B, device=device), self.seq_lens.to(device))
-        return torch.cat([rows, rows.new_full((numel - rows.numel(),), B - 1)])
+        rows = torch.repeat_interleave(torch.arange(B), self.seq_lens.cpu())
+        return torch.cat([rows, rows.new_full((numel - rows.numel(),), B - 1)]).to(device)
 
     def unpacked(self, x: torch.Tensor | None, fill: float = 0.0) -> torch.Tensor | None:
         """A packed row's per-token [1, T] tensor as the padded layout [B, longest], `fill` past each sequence;
         differentiable. A padded [B, T] tensor is returned as it is."""
         if x is None or not self.packed:
             return x
-        lens = self.seq_lens.to(x.device)
+        lens = self.seq_lens.cpu()
         B, width, n = lens.numel(), int(lens.max()), int(lens.sum())
-        rows = torch.repeat_interleave(torch.arange(B, device=x.device), lens)
-        cols = torch.arange(n, device=x.device) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+        rows = torch.repeat_interleave(torch.arange(B), lens)
+        cols = torch.arange(n) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
         out = x.new_full((B * width,), fill)
-        return out.index_put((rows * width + cols,), x.reshape(-1)[:n]).view(B, width)
+        return out.index_put(((rows * width + cols).to(x.device),), x.reshape(-1)[:n]).view(B, width)
 
 
 def advantages(rewards: torch.Tensor, group_size: int, norm: str, eps: float) -> torch.Tensor:
