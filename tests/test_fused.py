@@ -133,6 +133,7 @@ def test_fused_gradient_accumulation():
     assert_same(train(True, "seq_mean_token_mean", microbatches=2), train(False, "seq_mean_token_mean", microbatches=2))
 
 
+@pytest.mark.slow  # inductor compiles on CPU: tens of seconds
 def test_fused_compiled(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     compiled = ("--compile.enable", "--compile.components", "loss", "--grpo.use_bias_correction_kl")

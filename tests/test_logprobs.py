@@ -370,6 +370,7 @@ def test_chunked_rejects_wrong_shard_length():
         chunked_logprobs(make_hidden(8)[:, :3], labels, head, Scoring(seq_shards=2))
 
 
+@pytest.mark.slow  # inductor compiles on CPU: tens of seconds
 def test_compiled_tp1(tmp_path, monkeypatch):
     # a fresh cache, so this compiles rather than loads what another run left behind
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
@@ -698,6 +699,7 @@ def tp_compiled(tmp_path_factory):
     return load_checks(out)
 
 
+@pytest.mark.slow  # inductor compiles on CPU: tens of seconds
 def test_compiled_tp2(tp_compiled):
     """compiled=True at TP=2 (per-rank cache, cold then warm) matches eager and fp64: values and gradients."""
     assert_check_passed(tp_compiled, "compiled")
