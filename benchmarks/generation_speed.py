@@ -20,7 +20,6 @@ Writes <out>/generation_speed.csv and .png (default benchmarks/results/) and pri
 """
 
 import argparse
-import csv
 import statistics
 import time
 from pathlib import Path
@@ -135,11 +134,7 @@ def main(argv=None) -> None:
     rows = run(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "generation_speed.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
-    results_md.write(out / "generation_speed.csv")
+    results_md.write_csv(out / "generation_speed.csv", rows, COLUMNS)
     plot(rows, out / "generation_speed.png")
     print("| new tokens | cached tok/s | oracle tok/s | cached / oracle | cached tok/CPU-s | oracle tok/CPU-s "
           "| cached / oracle (CPU) | same tokens |\n|---:|---:|---:|---:|---:|---:|---:|---|")

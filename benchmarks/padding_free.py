@@ -34,7 +34,6 @@ Writes <out>/padding_free.csv, .png and .md (default benchmarks/results/) and pr
 """
 
 import argparse
-import csv
 import json
 import math
 import os
@@ -312,15 +311,9 @@ def main(argv=None) -> None:
     rows = run(args) if args.shapes else []
     if args.online_steps:
         rows += online_example(args)
-    table = summary(rows)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "padding_free.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        w.writeheader()
-        w.writerows(rows)
-    md = results_md.write(out / "padding_free.csv")
-    plot(table, out / "padding_free.png")
+    md = results_md.write_csv(out / "padding_free.csv", rows, COLUMNS)
+    plot(summary(rows), out / "padding_free.png")
     print(md.read_text())
 
 

@@ -133,6 +133,17 @@ def table(csv_path: Path) -> str:
     return "\n".join(lines) + f"\n\nFrom {source}.\n"
 
 
+def write_csv(csv_path: Path, rows: list[dict], columns) -> Path:
+    """A benchmark's rows as `csv_path` (its folder made if need be), then its table beside it; returns the table's path."""
+    csv_path = Path(csv_path)
+    csv_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    return write(csv_path)
+
+
 def write(csv_path: Path) -> Path:
     """Write `<stem>.md` beside the CSV; returns its path."""
     csv_path = Path(csv_path)

@@ -30,7 +30,6 @@ Writes <out>/step_time.csv and .png (default benchmarks/results/) and prints a t
 """
 
 import argparse
-import csv
 import json
 import os
 import random
@@ -263,11 +262,7 @@ def main(argv=None) -> None:
     rows, medians = run(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "step_time.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
-    results_md.write(out / "step_time.csv")
+    results_md.write_csv(out / "step_time.csv", rows, COLUMNS)
     plot(rows, medians, out / "step_time.png")
     print("| variant | median step s | ratio to CE (rounds' min-max) | target | met | median step CPU s "
           "| ratio to CE, CPU (min-max) | target, CPU | met, CPU | reference pass s |\n"

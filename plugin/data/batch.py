@@ -77,7 +77,7 @@ class Rollouts:
         B, device = self.advantages.numel(), self.advantages.device
         if not self.packed:
             return torch.arange(numel, device=device) // (numel // B)
-        rows = torch.repeat_interleave(torch.arange(B), self.seq_lens.cpu())
+        rows, _ = segments(self.seq_lens.cpu())
         return torch.cat([rows, rows.new_full((numel - rows.numel(),), B - 1)]).to(device)
 
     def unpacked(self, x: torch.Tensor | None, fill: float = 0.0) -> torch.Tensor | None:
@@ -86,11 +86,16 @@ class Rollouts:
         if x is None or not self.packed:
             return x
         lens = self.seq_lens.cpu()
-        B, width, n = lens.numel(), int(lens.max()), int(lens.sum())
-        rows = torch.repeat_interleave(torch.arange(B), lens)
-        cols = torch.arange(n) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+        B, width = lens.numel(), int(lens.max())
+        rows, cols = segments(lens)
         out = x.new_full((B * width,), fill)
-        return out.index_put(((rows * width + cols).to(x.device),), x.reshape(-1)[:n]).view(B, width)
+        return out.index_put(((rows * width + cols).to(x.device),), x.reshape(-1)[: rows.numel()]).view(B, width)
+
+
+def segments(lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For sequences of `lens` ([B] on the host) laid end to end: each token's sequence and its position in it."""
+    rows = torch.repeat_interleave(torch.arange(lens.numel()), lens)
+    return rows, torch.arange(rows.numel()) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
 
 
 def advantages(rewards: torch.Tensor, group_size: int, norm: str, eps: float) -> torch.Tensor:
@@ -288,7 +293,4 @@ class Collate:
 def packed_positions(seq_lens: torch.Tensor, width: int) -> torch.Tensor:
     """[1, width] positions of a padding-free row: 0.. of each sequence of `seq_lens`, then 0.. of its padding, which
     is so a sequence of its own."""
-    lens = torch.cat([seq_lens, seq_lens.new_tensor([width - int(seq_lens.sum())])])
-    lens = lens[lens > 0]
-    starts = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
-    return (torch.arange(width) - starts)[None]
+    return segments(torch.cat([seq_lens, seq_lens.new_tensor([width - int(seq_lens.sum())])]))[1][None]

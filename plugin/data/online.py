@@ -135,8 +135,8 @@ class OnlineDataset(IterableDataset, Stateful):
             rollouts = Rollouts(r.advantages, r.rewards, r.loss_weights, old, sampler, seq_lens=r.seq_lens,
                                 packed=r.packed)
             self.microbatch += 1
-            layout = {"positions": record["positions"]} if "positions" in record else {}
-            yield {"input": record["input"], "labels": record["labels"], "rollouts": rollouts, **layout}, record["labels"]
+            # as collated (input, labels, padding-free positions), the rollouts replaced; old log-probs are in them
+            yield {**{k: v for k, v in record.items() if k != "old_logprobs"}, "rollouts": rollouts}, record["labels"]
 
     @torch.no_grad()
     def sample_batch(self, index: int) -> list[dict]:

@@ -488,7 +488,8 @@ def index_rollouts(path: str, encoder: Encoder, *, fmt: str = "auto", group_size
         path=path, source=source, encoder=encoder, grouped=bool(grouped), group_size=expected,
         offsets=offsets[sel], slots=cols.numpy("slot", np.int32)[sel],
         rewards=cols.numpy("reward", np.float32)[sel], lengths=cols.numpy("length", np.int32)[sel],
-        prompt_lengths=cols.numpy("prompt_length", np.int32)[sel], rows=rows, skipped_rows=skipped_rows, skipped_groups=skipped_groups, stamp=(st.st_size, st.st_mtime_ns),
+        prompt_lengths=cols.numpy("prompt_length", np.int32)[sel],
+        rows=rows, skipped_rows=skipped_rows, skipped_groups=skipped_groups, stamp=(st.st_size, st.st_mtime_ns),
     )
 
 

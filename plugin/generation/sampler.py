@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.experimental import implicit_replication
 
 from plugin.generation.sampling import _int64, local_vocab, row_seeds, sample_sharded
+from plugin.model.attention import attention_modules
 from plugin.runtime import internals
 
 
@@ -277,12 +278,10 @@ class KVCacheSampler(_BaseSampler):
         prefill = _round_up(max(max(lengths) - 1, 1), self.tp)
         state = SimpleNamespace(positions=None, length=0, mask=None)
         cache_len = max(prefill, max(lengths) - 1 + self.max_new_tokens)
-        swapped = [(m, m.inner_attention) for m in self.model.modules()
-                   if isinstance(getattr(m, "inner_attention", None), nn.Module)]
+        swapped = [(m, m.inner_attention, m.attn_type) for m in attention_modules(self.model)]
         caches = [KVCache(state, cache_len) for _ in swapped]
-        attn_types = [m.attn_type for m, _ in swapped]
-        for (m, _), cache in zip(swapped, caches):
-            # padding-free training's "varlen" attention (plugin.model.attention) hands its boundaries to the cache
+        for (m, _, _), cache in zip(swapped, caches):
+            # torchtitan calls the cache SDPA's way, also where padding-free training set "varlen" (plugin.model.attention)
             m.inner_attention, m.attn_type = cache, "sdpa"
         try:
             # all but each prompt's last token; its logits are not needed
@@ -293,7 +292,7 @@ class KVCacheSampler(_BaseSampler):
             session = _Decode(self, state, caches, lengths, prompts)
             yield session
         finally:
-            for (m, inner), attn_type in zip(swapped, attn_types):
+            for m, inner, attn_type in swapped:
                 m.inner_attention, m.attn_type = inner, attn_type  # drops the caches
 
 
