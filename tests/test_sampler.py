@@ -48,10 +48,26 @@ def build(name: str, tp: int = 1, dp: int = 1, *overrides: str):
     return model
 
 
-def draw(model, stop_ids, kv_cache: bool, share=slice(None)):
+def draw(model, stop_ids, kv_cache: bool, share=slice(None), turns=None):
     sampler = build_sampler(model, kv_cache=kv_cache, max_new_tokens=N, stop_ids=stop_ids, temperature=TEMPERATURE,
                             pad_id=PAD)
-    return sampler.generate(prompts()[share], KEYS[share])
+    return sampler.generate(prompts()[share], KEYS[share], turns)
+
+
+MARK = 1  # the first id of every appended turn here
+
+
+class ToolLike:
+    """Turns with appended ids made from the completion alone, as a tool's result is (so any layout appends
+    the same): after each of a row's first two turns, MARK and 0 to 3 more ids; the calls are recorded."""
+
+    def __init__(self):
+        self.calls = []
+
+    def resume(self, rows, completions, room):
+        self.calls.append((list(rows), [list(c) for c in completions], list(room)))
+        return [[MARK] + [7 + c[-2] % 5 if len(c) > 1 else 7] * (sum(c) % 4) if c.count(MARK) < 2 else None
+                for c in completions]
 
 
 def stop_ids_for(completions: list[list[int]]) -> list[int]:
@@ -71,7 +87,9 @@ def one_rank():
     for name in ("grpo_llama3", "grpo_qwen3"):
         model = build(name)
         stops = stop_ids_for(draw(model, [], kv_cache=True).completions)
-        out[name] = dict(stops=stops, cached=draw(model, stops, True), oracle=draw(model, stops, False))
+        out[name] = dict(stops=stops, cached=draw(model, stops, True), oracle=draw(model, stops, False),
+                         turns_cached=draw(model, stops, True, turns=ToolLike()),
+                         turns_oracle=draw(model, stops, False, turns=ToolLike()))
     return out
 
 
@@ -84,6 +102,8 @@ def _layout_worker(rank, world_size, layout, names, stops, out):
         share = slice(None) if dp == 1 else [slice(0, 5), slice(5, None)][dist.get_rank() // tp]
         results[name] = dict(cached=draw(model, stops[name], True, share),
                              oracle=draw(model, stops[name], False, share),
+                             turns_cached=draw(model, stops[name], True, share, ToolLike()),
+                             turns_oracle=draw(model, stops[name], False, share, ToolLike()),
                              swapped=[type(m).__name__ for m in model.modules() if isinstance(m, KVCache)])
     gathered = [None] * world_size
     dist.all_gather_object(gathered, results)
@@ -99,7 +119,8 @@ def run_layout(tmp_path_factory, tp, dp, names, stops):
     for name in names:
         # TP peers hold the same samples: take one rank per DP rank, in DP order
         firsts = [per_rank[r][name] for r in range(0, tp * dp, tp)]
-        merged[name] = {kind: _concat([f[kind] for f in firsts]) for kind in ("cached", "oracle")}
+        merged[name] = {kind: _concat([f[kind] for f in firsts])
+                        for kind in ("cached", "oracle", "turns_cached", "turns_oracle")}
         merged[name]["tp_peers_agree"] = all(per_rank[r][name]["cached"] == per_rank[r - r % tp][name]["cached"]
                                              for r in range(tp * dp))
         merged[name]["swapped"] = sum(len(r[name]["swapped"]) for r in per_rank)
@@ -109,7 +130,9 @@ def run_layout(tmp_path_factory, tp, dp, names, stops):
 def _concat(parts):
     from plugin.generation.sampler import Samples
 
-    return Samples(*(sum((getattr(p, f) for p in parts), []) for f in ("completions", "logprobs", "truncated")))
+    fields = ("completions", "logprobs", "truncated", "tool_mask")
+    return Samples(*(None if parts[0].tool_mask is None and f == "tool_mask" else sum((getattr(p, f) for p in parts), [])
+                     for f in fields))
 
 
 @pytest.fixture(scope="module")
@@ -149,10 +172,71 @@ def test_cached_matches_oracle_one_rank(one_rank, name):
     assert_cached_matches_oracle(one_rank[name], one_rank[name]["stops"], f"1 rank {name}")
 
 
+def assert_turns_match_oracle(results, stops, what):
+    """Multi-turn (ToolLike): cached and oracle draw the same trajectories; the appended ids sit right after a
+    stop id, masked, without log-probs; a trajectory's first turn is the single-turn completion."""
+    cached, oracle, single = results["turns_cached"], results["turns_oracle"], results["cached"]
+    assert cached.completions == oracle.completions, what
+    assert cached.truncated == oracle.truncated and cached.tool_mask == oracle.tool_mask, what
+    resumed = 0
+    for c, lp, olp, mask, truncated, one in zip(cached.completions, cached.logprobs, oracle.logprobs,
+                                                cached.tool_mask, cached.truncated, single.completions):
+        assert len(lp) == len(mask) == len(c) <= N
+        assert [math.isnan(x) for x in lp] == [m == 0 for m in mask]
+        assert max((abs(x - y) for x, y, m in zip(lp, olp, mask) if m), default=0) <= LOGPROB_ATOL, what
+        runs = [j for j in range(len(c)) if mask[j] == 0 and (j == 0 or mask[j - 1])]
+        assert len(runs) <= 2 and all(c[j] == MARK and c[j - 1] in stops for j in runs)
+        resumed += bool(runs)
+        first_turn = next((j + 1 for j, x in enumerate(c) if x in stops), len(c))
+        assert c[:first_turn] == one[:first_turn]  # the first round draws what a single turn draws
+        if not truncated:
+            assert c[-1] in stops and c.count(MARK) - c[:len(one)].count(MARK) >= 0
+    assert resumed >= 2 and any(len(c) == N for c in cached.completions), f"{what}: want resumed and budget-cut rows"
+
+
+@pytest.mark.parametrize("name", ["grpo_llama3", "grpo_qwen3"])
+def test_turns_cached_match_oracle_one_rank(one_rank, name):
+    assert_turns_match_oracle(one_rank[name], one_rank[name]["stops"], f"1 rank {name}")
+
+
+@pytest.mark.parametrize("check_every", [1, 3, 8])
+def test_turns_many_stops(check_every):
+    """A stop set of 700 ids: rows end turns often, are resumed, park and return in every order."""
+    model = build("grpo_llama3")
+    stops = list(range(1000, 1700))
+    runs = {}
+    for kv_cache in (True, False):
+        sampler = build_sampler(model, kv_cache=kv_cache, max_new_tokens=N, stop_ids=stops, temperature=TEMPERATURE,
+                                pad_id=PAD, check_every=check_every)
+        runs[kv_cache] = sampler.generate(prompts(), KEYS, ToolLike())
+    cached, oracle = runs[True], runs[False]
+    assert cached.completions == oracle.completions and cached.tool_mask == oracle.tool_mask
+    assert cached.truncated == oracle.truncated
+    diff = max(abs(x - y) for a, b in zip(cached.logprobs, oracle.logprobs) for x, y in zip(a, b) if x == x)
+    assert diff <= LOGPROB_ATOL
+    twice = sum(c.count(MARK) >= 2 for c in cached.completions)
+    print(f"check_every {check_every}: {twice} rows resumed twice; masks {cached.tool_mask}")
+    assert twice >= 2
+
+
+def test_turns_record_and_room(one_rank):
+    """The rows handed to resume ended their turn with a stop id, with the room the budget leaves."""
+    model = build("grpo_llama3")
+    turns = ToolLike()
+    stops = one_rank["grpo_llama3"]["stops"]
+    out = draw(model, stops, True, turns=turns)
+    assert turns.calls
+    for rows, completions, room in turns.calls:
+        for b, c, r in zip(rows, completions, room):
+            assert c[-1] in stops and r == N - 1 - len(c)
+            assert out.completions[b][:len(c)] == c
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["grpo_llama3", "grpo_qwen3"])
 def test_cached_matches_oracle_tp2(tp2, one_rank, name):
     assert_cached_matches_oracle(tp2[name], one_rank[name]["stops"], f"TP=2 {name}")
+    assert_turns_match_oracle(tp2[name], one_rank[name]["stops"], f"TP=2 {name}")
     assert tp2[name]["tp_peers_agree"]
     assert tp2[name]["swapped"] == 0  # every inner_attention restored
 
@@ -162,6 +246,7 @@ def test_cached_matches_oracle_tp2(tp2, one_rank, name):
 def test_cached_matches_oracle_fsdp2(fsdp2, one_rank, name):
     """Each DP rank samples its own share (5 and 2 prompts): their step counts differ, their collectives match."""
     assert_cached_matches_oracle(fsdp2[name], one_rank[name]["stops"], f"FSDP=2 {name}")
+    assert_turns_match_oracle(fsdp2[name], one_rank[name]["stops"], f"FSDP=2 {name}")
     assert fsdp2[name]["swapped"] == 0
 
 
@@ -184,6 +269,10 @@ def test_layout_invariance(one_rank, tp2, fsdp2, name):
           f"max log-prob diff FSDP=2 {lp_fsdp:.2e}, TP=2 {lp_tp:.2e}")
     assert fsdp == 0
     assert tp <= 1 / len(PROMPT_LENS)
+    # multi-turn trajectories, appended turns included
+    turns = one_rank[name]["turns_cached"]
+    assert mismatch_fraction(turns, fsdp2[name]["turns_cached"]) == 0
+    assert mismatch_fraction(turns, tp2[name]["turns_cached"]) <= 1 / len(PROMPT_LENS)
 
 
 @pytest.mark.slow
@@ -192,6 +281,8 @@ def test_tp2_fsdp2(tmp_path_factory, one_rank):
     stops = {"grpo_llama3": one_rank["grpo_llama3"]["stops"]}
     results = run_layout(tmp_path_factory, 2, 2, ("grpo_llama3",), stops)["grpo_llama3"]
     assert_cached_matches_oracle(results, stops["grpo_llama3"], "TP=2 x FSDP=2 grpo_llama3")
+    assert_turns_match_oracle(results, stops["grpo_llama3"], "TP=2 x FSDP=2 grpo_llama3")
+    assert mismatch_fraction(one_rank["grpo_llama3"]["turns_cached"], results["turns_cached"]) <= 1 / len(PROMPT_LENS)
     assert results["tp_peers_agree"] and results["swapped"] == 0
     assert mismatch_fraction(one_rank["grpo_llama3"]["cached"], results["cached"]) <= 1 / len(PROMPT_LENS)
 

@@ -52,9 +52,15 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shr32(x, 16)
 
 
-def row_seeds(keys: torch.Tensor, t: int) -> torch.Tensor:
-    """[B, 2] int32: two 32-bit seeds of each key's t-th token, from splitmix64's stream of the key."""
-    state = _mix(keys + _int64((t + 1) * _GOLDEN % (1 << 64)))  # [B] int64
+def row_seeds(keys: torch.Tensor, t: int | torch.Tensor) -> torch.Tensor:
+    """[B, 2] int32: two 32-bit seeds of each key's t-th token, from splitmix64's stream of the key.
+
+    `t`: one token index for every row, or [B] each row's own (a multi-turn row resumes at its own column).
+    """
+    if isinstance(t, torch.Tensor):  # int64 products wrap modulo 2^64, as the int path's % does
+        state = _mix(keys + (t.to(torch.int64) + 1) * _GOLDEN)
+    else:
+        state = _mix(keys + _int64((t + 1) * _GOLDEN % (1 << 64)))  # [B] int64
     # the narrowing casts keep the low 32 bits, as two's complement does
     return torch.stack([state.to(torch.int32), _shr(state, 32).to(torch.int32)], dim=-1)
 
