@@ -154,6 +154,9 @@ class RolloutData:
     chat_template: str = ""
     """Python format string a text prompt is put in before tokenizing, e.g. "User: {prompt}\\nAssistant:"; "" = the prompt as is."""
 
+    chat_template_path: str = ""
+    """A Jinja chat template file that replaces the tokenizer's own for message-list rows (TRL's chat_template_path): tool support for a model whose template has none; "" = the tokenizer's."""
+
     def __post_init__(self):
         _check_types("rollout_data", self)
         if self.chat_template:
@@ -226,6 +229,18 @@ class Online:
     mask_truncated_completions: bool = False
     """Leave completions cut at max_new_tokens (no stop id) out of the loss; they still count in their group's advantages (TRL's name)."""
 
+    tools: list[str] = field(default_factory=list)
+    """Tools the policy may call mid-completion, as "module:function" (TRL's tools): plain functions, sync or async, whose type hints and docstring give the JSON schema the chat template shows the model."""
+
+    max_tool_calling_iterations: int = -1
+    """Most tool turns per completion (TRL's name); -1 = no limit but max_new_tokens, which budgets the whole trajectory; 0 = calls are never run."""
+
+    tool_call_format: str = "hermes"
+    """How a reply's tool calls are written (verl's format): hermes, <tool_call>{"name": ..., "arguments": {...}}</tool_call>; another is a parser class added to plugin.generation.tools.PARSERS by a module the job imports."""
+
+    tool_timeout: float = 30.0
+    """Seconds a tool call may take before it is cut off and the model is told so (its answer is an error); 0 = no limit."""
+
     def __post_init__(self):
         _check_types("online", self)
         _check("online", "num_generations", self.num_generations, self.num_generations >= 2,
@@ -254,6 +269,14 @@ class Online:
                 f"[online] reward_weights has {len(self.reward_weights)} values for {len(self.reward_funcs)} "
                 "[online] reward_funcs: give one weight per function, or none"
             )
+        for i, f in enumerate(self.tools):
+            module, _, name = f.partition(":")
+            _check("online", f"tools[{i}]", repr(f), bool(module and name.isidentifier()),
+                   'of the form "module:function", e.g. "plugin.example:multiply"')
+        _check("online", "max_tool_calling_iterations", self.max_tool_calling_iterations,
+               self.max_tool_calling_iterations >= -1, ">= 0, or -1 (no limit)")
+        _check("online", "tool_timeout", self.tool_timeout, self.tool_timeout >= 0 and math.isfinite(self.tool_timeout),
+               "a finite number of seconds >= 0 (0 = no limit)")
         if self.enable and not self.reward_funcs:
             raise ValueError('[online] enable = true needs [online] reward_funcs, e.g. ["plugin.example:arith_reward"]')
 

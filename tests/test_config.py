@@ -138,12 +138,13 @@ OUT_OF_RANGE = {
                  logprob_chunk_mib=float("nan"), fused_policy_pass="", padding_free="", on_nonfinite="ignore"),
     "reference_model": dict(compile="", checkpoint_path="", checkpoint_format="", sync_steps=-1, sync_alpha="",
                             offload=""),
-    "rollout_data": dict(format="", on_error="", chat_template="{other}"),
+    "rollout_data": dict(format="", on_error="", chat_template="{other}", chat_template_path=""),
     "online": dict(enable="", num_generations=1, max_new_tokens=0, stop_token_ids=[-1], reward_funcs=["no_colon"],
                    reward_weights=[float("nan")], num_iterations=0, kv_cache="", log_completions="",
                    num_generations_eval=0, eval_temperature=-1.0, eval_log_completions="",
                    filter_groups="", max_num_gen_batches=-1, behavior_logprobs="vllm",
-                   mask_truncated_completions="", max_num_seqs=-1, stop_check_every=0, compile_decode=""),
+                   mask_truncated_completions="", max_num_seqs=-1, stop_check_every=0, compile_decode="",
+                   tools=["no_colon"], max_tool_calling_iterations=-2, tool_call_format="", tool_timeout=-1.0),
 }
 SECTIONS = {"grpo": grpo_config.GRPO, "reference_model": grpo_config.ReferenceModel,
             "rollout_data": grpo_config.RolloutData, "online": grpo_config.Online}

@@ -91,7 +91,7 @@ def test_formats_and_layouts_read_the_same_completions(tmp_path, tokenizer, suff
         assert c.tokens == prompt + tokenizer.encode(r["completion"], add_bos=False, add_eos=True)
         assert c.prompt_len == len(prompt) and c.reward == r["reward"] and c.logprobs is None
     assert idx.lengths.tolist() == [len(c.tokens) - c.prompt_len for c in got]
-    assert idx.nbytes == 24 * 4  # offset, slot, reward, length, prompt length per completion
+    assert idx.nbytes == 28 * 4  # offset, slot, reward, length, prompt length, loss length per completion
 
 
 def test_rows_of_a_group_need_not_be_adjacent_and_groups_keep_file_order(tmp_path, tokenizer):

@@ -22,7 +22,7 @@ class KeySampler:
     def __init__(self, eos):
         self.eos, self.calls = eos, []
 
-    def generate(self, prompts, keys):
+    def generate(self, prompts, keys, turns=None):
         self.calls.append(len(prompts))
         comps = [[k % 5 + 10] * (k % 3 + 1) + [self.eos] for k in keys]
         return Samples(comps, [[-0.5] * len(c) for c in comps], [False] * len(comps))

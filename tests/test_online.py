@@ -113,7 +113,7 @@ class CountingSampler:
     def __init__(self, eos):
         self.eos, self.calls = eos, 0
 
-    def generate(self, prompts, keys):
+    def generate(self, prompts, keys, turns=None):
         self.calls += 1
         comps = [[k % 7 + 10] * (k % 3 + 1) + [self.eos] for k in keys]
         return Samples(comps, [[-0.5] * len(c) for c in comps], [False] * len(comps))
@@ -122,7 +122,7 @@ class CountingSampler:
 class TruncatingSampler(CountingSampler):
     """CountingSampler, but a key with key % 3 == 2 reaches max_new_tokens = 4 without EOS (truncated)."""
 
-    def generate(self, prompts, keys):
+    def generate(self, prompts, keys, turns=None):
         self.calls += 1
         comps = [[k % 7 + 10] * 4 if k % 3 == 2 else [k % 7 + 10] * (k % 3 + 1) + [self.eos] for k in keys]
         return Samples(comps, [[-0.5] * len(c) for c in comps], [k % 3 == 2 for k in keys])
@@ -313,7 +313,7 @@ def test_truncated_completions_leave_the_loss_but_count_in_advantages(tmp_path, 
 
 
 class AlwaysTruncatingSampler(CountingSampler):
-    def generate(self, prompts, keys):
+    def generate(self, prompts, keys, turns=None):
         self.calls += 1
         comps = [[k % 7 + 10] * 4 for k in keys]
         return Samples(comps, [[-0.5] * 4 for _ in comps], [True] * len(keys))

@@ -7,7 +7,8 @@ Token layout of one completion (P prompt tokens, C completion tokens):
     sequence = prompt + completion                     # P + C tokens, P + C <= seq_len + 1
     input    = sequence[:-1]
     labels   = sequence[1:], IGNORE_INDEX where the target is a prompt token
-so the loss mask (labels != IGNORE_INDEX) covers exactly the C completion tokens; nothing is
+so the loss mask (labels != IGNORE_INDEX) covers exactly the C completion tokens, less a multi-turn
+completion's tool tokens (its tool mask), which the model reads but is never trained on; nothing is
 truncated (a longer row is a bad row, see plugin.data.rollouts). A microbatch lays them out as
 - padded: one row each, right-padded to seq_len with the pad (EOS) id and IGNORE_INDEX labels;
 - padding-free ([grpo] padding_free): one row [1, T] of the inputs end to end, labels made per
@@ -241,7 +242,8 @@ class Collate:
 
     def __call__(self, rewards: torch.Tensor, completion_lens: torch.Tensor, rows: list[int], batch: list[Completion],
                  keep: torch.Tensor | None = None):
-        """`rewards`, `completion_lens`: [N], every completion of the step, group-major;
+        """`rewards`, `completion_lens` (the tokens in the loss: a multi-turn one's tool turns left out): [N], every
+        completion of the step, group-major;
         `rows`: this microbatch's positions among them; `batch`: those completions; `keep`: [N] bool,
         False for a completion left out of the loss (its labels are all IGNORE_INDEX), None: all kept."""
         cfg = self.cfg
@@ -276,7 +278,10 @@ class Collate:
             # position t predicts token t+1: completion targets start at prompt_len - 1, within this sequence
             targets = slice(start + c.prompt_len - 1, end)
             if keep is None or keep[rows[i]]:
-                flat(labels)[targets] = seq[c.prompt_len :]
+                target = seq[c.prompt_len :]
+                if c.tool_mask is not None:  # a tool turn's tokens are read, never trained on: no label
+                    target = target.masked_fill(torch.tensor(c.tool_mask) == 0, IGNORE_INDEX)
+                flat(labels)[targets] = target
             if c.logprobs:
                 flat(old_logprobs)[targets] = torch.tensor(c.logprobs)
             if ref_logprobs is not None:

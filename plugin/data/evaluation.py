@@ -30,6 +30,7 @@ from plugin.data.loader import build_encoder
 from plugin.data.online import online_sampler, sample_key
 from plugin.data.prompts import load_prompts, resolve_stop_ids
 from plugin.data.rewards import load_reward_fns, score_completions
+from plugin.data.turns import build_tool_setup
 
 EVAL_BATCH = -1  # the batch index of sample_key for evaluations: no training batch has it
 
@@ -38,8 +39,9 @@ class GRPOEvaluator(BaseValidator):
     """Samples this rank's share of the held-out prompts, scores them, gathers over DP and logs eval/* at the step."""
 
     def __init__(self, job_config, prompts, reward_fns, tokenizer, stop_ids: list[int], pad_id: int, dp_rank: int,
-                 dp_world_size: int, parallel_dims, metrics_processor):
+                 dp_world_size: int, parallel_dims, metrics_processor, tools=None):
         super().__init__(job_config)
+        self.tools = tools  # [online] tools (plugin.data.turns.ToolSetup): the same tool turns as training
         self.prompts, self.reward_fns, self.tokenizer = prompts, reward_fns, tokenizer
         self.stop_ids, self.pad_id, self.dp_rank, self.dp_world_size = stop_ids, pad_id, dp_rank, dp_world_size
         self.metrics_processor = metrics_processor
@@ -74,29 +76,40 @@ class GRPOEvaluator(BaseValidator):
                                           temperature=online.eval_temperature, pad_id=self.pad_id)
         G, seed = online.num_generations_eval, self.job_config.debug.seed or 0
         start = time.perf_counter()
-        mine, completions, truncated = [], [], []
+        mine, completions, truncated, messages, tools = [], [], [], [], []
         for indices in self._rounds():
-            samples = self.sampler.generate([self.prompts[i].ids for i in indices for _ in range(G)],
-                                            [sample_key(seed, EVAL_BATCH, i, m) for i in indices for m in range(G)])
-            mine += [i for i in indices for _ in range(G)]
+            call = [i for i in indices for _ in range(G)]
+            turns = self.tools.turns([self.prompts[i] for i in call], self.tp_group) if self.tools else None
+            samples = self.sampler.generate([self.prompts[i].ids for i in call],
+                                            [sample_key(seed, EVAL_BATCH, i, m) for i in indices for m in range(G)],
+                                            turns)
+            mine += call
             completions += samples.completions
             truncated += samples.truncated
+            if turns:
+                conversations, figures = turns.finish(samples.completions)
+                messages += conversations
+                tools += [(f.calls, f.failures) for f in figures]
         prompts = [self.prompts[i] for i in mine]
         texts, totals, per_fn = score_completions(self.reward_fns, self.tp_group, self.tokenizer, self.stop_ids,
-                                                  prompts, completions)
-        part = [totals, [len(c) for c in completions], truncated, *per_fn]
+                                                  prompts, completions, messages if self.tools else None)
+        part = [totals, [len(c) for c in completions], truncated, tools, *per_fn]
         gathered = [part]
         if self.dp_group is not None:
             gathered = [None] * dist.get_world_size(self.dp_group)
             dist.all_gather_object(gathered, part, group=self.dp_group)
-        totals_all, lengths, truncs, *fn_all = ([v for g in gathered for v in g[k]] for k in range(len(part)))
+        totals_all, lengths, truncs, tools_all, *fn_all = ([v for g in gathered for v in g[k]] for k in range(len(part)))
         metrics = self._metrics(totals_all, lengths, truncs, fn_all, time.perf_counter() - start)
+        if self.tools:
+            calls = sum(c for c, _ in tools_all)
+            metrics["eval/tools/call_frequency"] = calls / len(tools_all)
+            metrics["eval/tools/failure_frequency"] = sum(f for _, f in tools_all) / calls if calls else 0.0
         self.metrics_processor.logger.log(metrics, step)
         logger.info(f"Evaluation after step {step}: {len(totals_all)} completions of {len(totals_all) // G} prompts, "
                     f"reward {metrics['eval/reward_mean']:.4f}, full reward {metrics['eval/full_reward_share']:.1%} "
                     f"({metrics['eval/time(s)']:.1f} s)")
         if online.eval_log_completions and self.writes_log:
-            self._log(step, prompts, texts, completions, truncated, totals, per_fn)
+            self._log(step, prompts, messages or texts, completions, truncated, totals, per_fn)
 
     def _metrics(self, totals, lengths, truncated, per_fn, seconds: float) -> dict[str, float]:
         n = len(totals)
@@ -135,8 +148,12 @@ def build_grpo_evaluator(job_config, dp_world_size: int, dp_rank: int, tokenizer
                               key="[validation] dataset_path")
     stop_ids = resolve_stop_ids(online, tokenizer, encoder.vocab_size)
     pad_id = tokenizer.eos_id if tokenizer.eos_id is not None else 0
+    tools = build_tool_setup(online, encoder, tokenizer, stop_ids)
+    if tools:
+        tools.check_prompts(prompts, "[validation] dataset_path")
     evaluator = GRPOEvaluator(job_config, prompts, load_reward_fns(online.reward_funcs, online.reward_weights),
-                              tokenizer, stop_ids, pad_id, dp_rank, dp_world_size, parallel_dims, metrics_processor)
+                              tokenizer, stop_ids, pad_id, dp_rank, dp_world_size, parallel_dims, metrics_processor,
+                              tools)
     logger.info(f"Evaluation: {evaluator.count} of {len(prompts)} prompts from {v.dataset_path} "
                 f"in {len(evaluator._rounds())} generate call(s) per rank, {online.num_generations_eval} completion(s) each at "
                 f"{'greedy' if online.eval_temperature == 0 else f'temperature {online.eval_temperature:g}'}, after step 1, "

@@ -19,6 +19,8 @@ from plugin.data.batch import BatchPlan, Collate, GroupStream
 from plugin.data.chat import ChatTemplate
 from plugin.data.online import build_online_dataset
 from plugin.data.rollouts import Encoder, RolloutError, RolloutIndex, index_rollouts
+from plugin.data.turns import token_text
+from plugin.generation.tools import load_tools
 from plugin.job import GRPOJob
 
 
@@ -41,7 +43,7 @@ class RolloutDataset(IterableDataset, Stateful):
             # the step's completions, group-major: entry i * G + j is completion j of the i-th group
             items = (self.stream.step_groups(self.step)[:, None] * G + np.arange(G)).ravel()
             rewards = torch.from_numpy(self.index.rewards[items])
-            completion_lens = torch.from_numpy(self.index.lengths[items]).long()
+            completion_lens = torch.from_numpy(self.index.loss_lengths[items]).long()  # the loss weights' lengths
             if self.microbatch == 0 and (epoch := self.stream.epoch_starting(self.step)) is not None:
                 logger.info(f"Rollout data: epoch {epoch} starts at step {self.step + 1}")
             tokens = self.collate.tokens(self.index.prompt_lengths[items], self.index.lengths[items])
@@ -70,9 +72,14 @@ def build_encoder(job_config, tokenizer) -> Encoder:
         vocab_size = get_train_spec(job_config.model.name).model_args[job_config.model.flavor].vocab_size
     except (KeyError, ValueError, AttributeError):
         vocab_size = tokenizer.get_vocab_size()
-    # message-list prompts use the tokenizer's own chat template, from the folder torchtitan's tokenizer is read from
-    chat = ChatTemplate.from_folder(job_config.model.hf_assets_path)
-    return Encoder(tokenizer, vocab_size, job_config.training.seq_len, job_config.rollout_data.chat_template, chat)
+    # message-list rows use the tokenizer's own chat template, from the folder torchtitan's tokenizer is read from,
+    # or [rollout_data] chat_template_path's
+    chat = ChatTemplate.from_folder(job_config.model.hf_assets_path, job_config.rollout_data.chat_template_path)
+    online = job_config.online
+    # the stop id that ends an assistant turn, as the template writes it: where a multi-turn completion's turns end
+    stop_ids = list(online.stop_token_ids) or ([tokenizer.eos_id] if tokenizer.eos_id is not None else [])
+    return Encoder(tokenizer, vocab_size, job_config.training.seq_len, job_config.rollout_data.chat_template, chat,
+                   tools=load_tools(online.tools), stop_text=token_text(tokenizer, stop_ids[0]) if stop_ids else None)
 
 
 def build_rollout_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config, **kwargs):

@@ -40,6 +40,7 @@ from plugin.data.batch import GroupStream, Rollouts
 from plugin.data.prompts import Prompt, load_prompts, resolve_stop_ids
 from plugin.data.rewards import load_reward_fns, score_completions
 from plugin.data.rollouts import Completion, RolloutError
+from plugin.data.turns import ToolFigures, ToolSetup, build_tool_setup
 from plugin.generation.sampler import build_sampler
 from plugin.job import GRPOJob
 from plugin.runtime.stats import OnlineStats
@@ -57,10 +58,13 @@ class SampledGroup:
     completions: list[list[int]] | None = None
     logprobs: list[list[float]] | None = None  # the sampler's
     texts: list[str] | None = None
+    tool_masks: list[list[int]] | None = None  # multi-turn: 0 on a tool turn's tokens
+    tools: list[ToolFigures] | None = None  # multi-turn: each completion's calls, failures and turns
+    messages: list[list[dict]] | None = None  # multi-turn: each completion as messages
 
     def figures(self) -> "SampledGroup":
         """The group without its prompt and completions: what other DP ranks need of it without filter_groups."""
-        return SampledGroup(None, self.rewards, self.lengths, self.truncated, self.fn_rewards)
+        return SampledGroup(None, self.rewards, self.lengths, self.truncated, self.fn_rewards, tools=self.tools)
 
 
 def online_sampler(policy, cfg, parallel_dims, mixed_precision_param: str, *, stop_ids: list[int], temperature: float,
@@ -87,11 +91,12 @@ class OnlineDataset(IterableDataset, Stateful):
 
     def __init__(self, prompts: list[Prompt], plan, collate, seed: int, online, reward_fns, tokenizer,
                  pad_id: int, stop_ids: list[int], temperature: float, dump_folder: str, job: GRPOJob,
-                 stats: OnlineStats, mixed_precision_param: str = "float32"):
+                 stats: OnlineStats, mixed_precision_param: str = "float32", tools: ToolSetup | None = None):
         self.prompts, self.plan, self.collate, self.seed, self.cfg = prompts, plan, collate, seed, online
         self.reward_fns, self.tokenizer, self.pad_id, self.stop_ids = reward_fns, tokenizer, pad_id, stop_ids
         self.temperature, self.dump_folder, self.job, self.stats = temperature, dump_folder, job, stats
         self.mixed_precision_param = mixed_precision_param  # [training]: the dtype the trainer computes in
+        self.tools = tools  # [online] tools: completions are multi-turn
         self.stream = GroupStream(len(prompts), plan.groups_per_step, seed)
         # the next batch's first stream position: K per batch, more where filter_groups sampled extra rounds
         self.stream_pos = 0
@@ -174,7 +179,8 @@ class OnlineDataset(IterableDataset, Stateful):
 
         self.stats.record(gen_time, gen_peak, [n for g in sampled for n in g.lengths],
                           [t for g in sampled for t in g.truncated],
-                          [[r for g in sampled for r in g.fn_rewards[k]] for k in range(len(self.reward_fns))])
+                          [[r for g in sampled for r in g.fn_rewards[k]] for k in range(len(self.reward_fns))],
+                          [f for g in sampled for f in g.tools] if self.tools else None)
         if cfg.filter_groups:
             self.stats.record_filter(len(dropped), rounds - 1)
         positions = [i for j in range(plan.grad_accum) for i in plan.microbatch(j)]  # my groups, in batch order
@@ -183,7 +189,7 @@ class OnlineDataset(IterableDataset, Stateful):
 
         rewards = [r for g in final for r in g.rewards]
         rewards_t = torch.tensor(rewards, dtype=torch.float32)
-        lens_t = torch.tensor([n for g in final for n in g.lengths], dtype=torch.long)
+        lens_t = torch.tensor([n for g in final for n in g.lengths], dtype=torch.long)  # the tokens in the loss
         keep = None
         if cfg.mask_truncated_completions:
             keep = ~torch.tensor([t for g in final for t in g.truncated], dtype=torch.bool)
@@ -193,14 +199,17 @@ class OnlineDataset(IterableDataset, Stateful):
                                "step makes no update (its loss is 0, as TRL's)")
         batch = []
         # padding-free: microbatches balanced by tokens over every rank's, whose completions every rank then holds
-        tokens = self.collate.tokens([len(g.prompt.ids) for g in final for _ in g.lengths], lens_t.numpy())
+        tokens = None
+        if self.collate.padding_free:  # every completion's whole length, tool turns included
+            tokens = self.collate.tokens([len(g.prompt.ids) for g in final for _ in g.lengths],
+                                         [len(c) for g in final for c in g.completions])
         for j in range(plan.grad_accum):
             rows = plan.rows(j, tokens)
             completions = []
             for row in rows:
                 g, m = final[row // G], row % G
                 completions.append(Completion(g.prompt.ids + g.completions[m], len(g.prompt.ids), rewards[row],
-                                              g.logprobs[m]))
+                                              g.logprobs[m], tool_mask=g.tool_masks[m] if g.tool_masks else None))
             inputs, labels = self.collate(rewards_t, lens_t, rows, completions, keep)
             batch.append(inputs)
         if cfg.num_iterations > 1 and cfg.behavior_logprobs == "policy":
@@ -226,19 +235,25 @@ class OnlineDataset(IterableDataset, Stateful):
         keys = [sample_key(self.seed, index, rnd * K + i, m) for i in positions for m in range(G)]
 
         start = time.perf_counter()
+        turns = self.tools.turns(mine, self.tp_group) if self.tools else None
         with self.job.stats.peak_memory(next(self.policy.parameters()).device) as memory:
-            samples = self.sampler.generate([p.ids for p in mine], keys)
+            samples = self.sampler.generate([p.ids for p in mine], keys, turns)
         gen_time, gen_peak = time.perf_counter() - start, memory.peak
 
+        messages, tools = turns.finish(samples.completions) if turns else (None, None)
         texts, totals, per_fn = score_completions(self.reward_fns, self.tp_group, self.tokenizer, self.stop_ids, mine,
-                                                  samples.completions)
+                                                  samples.completions, messages)
+        masks = samples.tool_mask
+        # the tokens in the loss: the model's own
+        lengths = [sum(m) for m in masks] if masks is not None else [len(c) for c in samples.completions]
         mine_groups = {}
         for k, i in enumerate(positions):
             rows = slice(k * G, (k + 1) * G)
             mine_groups[i] = SampledGroup(
-                self.prompts[prompt_ids[i]], totals[rows], [len(c) for c in samples.completions[rows]],
-                samples.truncated[rows], [r[rows] for r in per_fn], samples.completions[rows], samples.logprobs[rows],
-                texts[rows])
+                self.prompts[prompt_ids[i]], totals[rows], lengths[rows], samples.truncated[rows],
+                [r[rows] for r in per_fn], samples.completions[rows], samples.logprobs[rows], texts[rows],
+                masks[rows] if masks is not None else None, tools[rows] if tools else None,
+                messages[rows] if messages else None)
         groups = dict(mine_groups)
         if self.dp_group is not None:
             # the rewards of every group; with filter_groups a kept group, padding-free a completion, may be trained
@@ -261,8 +276,10 @@ class OnlineDataset(IterableDataset, Stateful):
             for g in groups:
                 for m in range(len(g.rewards)):
                     f.write(json.dumps(dict(
-                        prompt=g.prompt.text, where=g.prompt.where, completion=g.texts[m],
+                        prompt=g.prompt.text, where=g.prompt.where,
+                        completion=g.messages[m] if g.messages else g.texts[m],
                         completion_ids=g.completions[m], truncated=g.truncated[m], reward=g.rewards[m],
+                        **({"tool_mask": g.tool_masks[m]} if g.tool_masks else {}),
                         rewards={fn.name: (None if r[m] != r[m] else r[m]) for fn, r in zip(self.reward_fns, g.fn_rewards)},
                     )) + "\n")
 
@@ -300,10 +317,13 @@ def build_online_dataset(job_config, job: GRPOJob, tokenizer, encoder, batching)
                          "set [grpo] group_size = 0 (or to the same value) in online mode")
     stop_ids = resolve_stop_ids(online, tokenizer, encoder.vocab_size)
     reward_fns = load_reward_fns(online.reward_funcs, online.reward_weights)
+    tools = build_tool_setup(online, encoder, tokenizer, stop_ids)
     prompts, skipped = load_prompts(training.dataset_path, encoder, tokenizer, fmt=cfg.format,
                                     max_new_tokens=online.max_new_tokens, on_error=cfg.on_error)
+    if tools:
+        tools.check_prompts(prompts, "[training] dataset_path")
     job.stats.skipped_rows = skipped
-    job.online_stats = OnlineStats([f.name for f in reward_fns], online.filter_groups)
+    job.online_stats = OnlineStats([f.name for f in reward_fns], online.filter_groups, tools=tools is not None)
     plan, collate = batching(G, len(prompts), "prompts", sampled=True)
     logger.info(
         f"Online GRPO: {len(prompts)} prompts from {training.dataset_path}, {plan.groups_per_step} per batch, "
@@ -315,4 +335,4 @@ def build_online_dataset(job_config, job: GRPOJob, tokenizer, encoder, batching)
     )
     return OnlineDataset(prompts, plan, collate, job_config.debug.seed or 0, online, reward_fns, tokenizer,
                          collate.pad_id, stop_ids, grpo.temperature, job_config.job.dump_folder, job, job.online_stats,
-                         training.mixed_precision_param)
+                         training.mixed_precision_param, tools)

@@ -7,7 +7,8 @@ A function is called once per sampled batch:
 `prompts` and `completions` are text (a completion without its stop token), `completion_ids`
 the sampled ids (with it), and every other column of the prompt rows arrives as a keyword list
 of the same length. As in TRL, a conversational prompt (a list of {"role", "content"} messages)
-arrives as that list and its completion as `[{"role": "assistant", "content": text}]`. As in TRL, a
+arrives as that list and its completion as `[{"role": "assistant", "content": text}]`; with [online]
+tools, as the trajectory's messages: assistant turns with `tool_calls`, tool messages, the final reply. As in TRL, a
 function may return None for a completion it does not apply to; the reward is the weighted sum over
 the functions that apply. An async function (one that returns an awaitable: a judge model or a
 sandbox behind an API) is awaited together with the batch's other async ones, as TRL does, so their
@@ -90,18 +91,21 @@ def score(fns: list[RewardFn], prompts: list[str], completions: list[str], compl
 
 
 def score_completions(fns: list[RewardFn], tp_group, tokenizer, stop_ids: list[int], prompts: list[Prompt],
-                      completion_ids: list[list[int]]) -> tuple[list[str], list[float], list[list[float]]]:
+                      completion_ids: list[list[int]], messages: list[list[dict]] | None = None
+                      ) -> tuple[list[str], list[float], list[list[float]]]:
     """Sampled completions of `prompts` (one per completion) decoded and scored, as
     online batches and evaluations both do: (texts, weighted total per completion, each function's rewards).
 
     A text leaves out its stop token; TP peers (`tp_group`, holding the same completions) share the calls.
+    `messages`: multi-turn completions as TRL's message lists (plugin.data.turns), which the functions then get.
     """
     texts = [tokenizer.decode(c[:-1] if c and c[-1] in stop_ids else c) for c in completion_ids]
     if not prompts:  # an evaluation rank past the end of a short file; its TP peers are too
         return texts, [], [[] for _ in fns]
     columns = {k: [p.columns.get(k) for p in prompts] for k in dict.fromkeys(k for p in prompts for k in p.columns)}
-    totals, per_fn = score_once(fns, tp_group, [p.text for p in prompts], reward_completions(prompts, texts),
-                                completion_ids, columns, [p.where for p in prompts])
+    completions = messages if messages is not None else reward_completions(prompts, texts)
+    totals, per_fn = score_once(fns, tp_group, [p.text for p in prompts], completions, completion_ids, columns,
+                                [p.where for p in prompts])
     return texts, totals, per_fn
 
 

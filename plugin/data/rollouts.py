@@ -6,7 +6,8 @@ names, the token layout and the EOS rule are in docs/rollouts.md.
 
 One pass over the file checks and tokenizes every row, and keeps per completion only what
 batching needs: where its row is (byte offset or Parquet row), its slot in a grouped row, its
-reward and its completion length: 20 bytes (29 during the pass, with the group key and a flag).
+reward, its completion and prompt lengths and the completion tokens in the loss: 28 bytes (37 during the
+pass, with the group key and a flag).
 A batch re-reads and re-tokenizes only its own rows.
 
 Simplifications:
@@ -51,6 +52,14 @@ class Completion:
     reward: float
     logprobs: list[float] | None = None  # behaviour log-prob per completion token, NaN where unknown
     ref_logprobs: list[float] | None = None  # the reference model's, NaN where unknown
+    # per completion token: 1 the model's, 0 a tool turn's (never trained on); None: every token is the model's
+    tool_mask: list[int] | None = None
+
+    @property
+    def loss_length(self) -> int:
+        """The completion tokens in the loss: the model's own."""
+        n = len(self.tokens) - self.prompt_len
+        return n if self.tool_mask is None else sum(self.tool_mask)
 
 
 def _field(value, name: str, types: tuple, what: str):
@@ -124,11 +133,15 @@ def _group_key(row: dict) -> int:
 class Encoder:
     """Row fields -> token ids, with the checks that need tokens: vocabulary and length."""
 
-    def __init__(self, tokenizer, vocab_size: int, seq_len: int, chat_template: str = "", chat=None):
+    def __init__(self, tokenizer, vocab_size: int, seq_len: int, chat_template: str = "", chat=None,
+                 tools: list | None = None, stop_text: str | None = None):
         """`chat_template`: the format string text prompts go into; `chat`: the tokenizer's ChatTemplate
-        (plugin.data.chat), which renders message-list prompts."""
+        (plugin.data.chat), which renders message-list prompts, showing the model `tools` ([online] tools,
+        plugin.generation.tools' Tool list); `stop_text`: the text of the stop id that ends an assistant turn (multi-turn
+        completions given as messages)."""
         self.tokenizer, self.vocab_size, self.seq_len, self.chat_template = tokenizer, vocab_size, seq_len, chat_template
-        self.chat = chat
+        self.chat, self.tools, self.stop_text = chat, tools or [], stop_text
+        self.schemas = [t.schema for t in self.tools] or None  # None: the template renders no tools
         self.bos_id, self.eos_id = getattr(tokenizer, "bos_id", None), getattr(tokenizer, "eos_id", None)
         self._last_prompt: tuple[str | None, list[int]] = (None, [])
 
@@ -167,7 +180,7 @@ class Encoder:
             if self.chat is None:
                 raise BadRow(f"field '{name}' is a list of messages, and this run has no chat template to render it")
             # no BOS added: a template that wants one writes {{ bos_token }} (transformers adds no specials either)
-            ids = self._text_ids(self.chat.render(value, name))
+            ids = self._text_ids(self.chat.render(value, name, tools=self.schemas))
         else:
             value = _field(value, name, (str,), "str or a list of messages")
             ids = self._text_ids(self.chat_template.format(prompt=value) if self.chat_template else value)
@@ -178,11 +191,16 @@ class Encoder:
         return ids
 
     def completion(self, prompt: list[int], value, name: str, is_ids: bool, reward: float, logprobs, ref_logprobs,
-                   at: str = "") -> Completion:
-        """Token ids as given, or text tokenized with EOS appended; `at` is "[k]" for a grouped row's k-th."""
+                   at: str = "", prompt_messages=None) -> Completion:
+        """Token ids as given, text tokenized with EOS appended, or a multi-turn trajectory (a message list after
+        a message-list prompt) rendered by the chat template, its tool turns masked; `at` is "[k]" for a grouped
+        row's k-th."""
         name += at
+        tool_mask = None
         if is_ids:
             ids = self._ids(value, name)
+        elif isinstance(value, list):
+            ids, tool_mask = self._trajectory(prompt_messages, value, name)
         else:
             if type(value) is not str:  # not _field: a null in a grouped row's list is no missing field
                 raise BadRow(f"field '{name}' has type {type(value).__name__}, not str")
@@ -191,20 +209,36 @@ class Encoder:
             ids = self._text_ids(value)
             self._check_vocab(ids, name)
         given = len(ids)
-        if not is_ids and self.eos_id is not None:
+        if not is_ids and tool_mask is None and self.eos_id is not None:
             ids.append(self.eos_id)
         if len(prompt) + len(ids) - 1 > self.seq_len:  # the input drops the last token
             raise BadRow(f"field '{name}': prompt + completion is {len(prompt) + len(ids)} tokens, "
                        f"more than [training] seq_len + 1 = {self.seq_len + 1}")
         behaviour = None if logprobs is None else _logprobs(logprobs, f"logprobs{at}", given, len(ids))
         ref = None if ref_logprobs is None else _logprobs(ref_logprobs, f"ref_logprobs{at}", given, len(ids))
-        return Completion(prompt + ids, len(prompt), reward, behaviour, ref)
+        return Completion(prompt + ids, len(prompt), reward, behaviour, ref, tool_mask)
+
+    def _trajectory(self, prompt_messages, messages: list, name: str) -> tuple[list[int], list[int]]:
+        """A multi-turn completion's ids, each piece tokenized on its own as the sampler appends them (plugin.data.chat's
+        trajectory_segments), and its tool mask: 0 on the template's and the tools' tokens."""
+        if not isinstance(prompt_messages, list):
+            raise BadRow(f"field '{name}' is a list of messages (a multi-turn trajectory), which needs the prompt as "
+                         "a list of messages too")
+        if self.chat is None or self.stop_text is None:
+            raise BadRow(f"field '{name}' is a list of messages, and this run has no chat template to render it")
+        ids, mask = [], []
+        for text, trained in self.chat.trajectory_segments(prompt_messages, messages, self.schemas, self.stop_text):
+            piece = self._text_ids(text)
+            ids += piece
+            mask += [int(trained)] * len(piece)
+        self._check_vocab(ids, name)
+        return ids, mask
 
     def flat(self, row: dict) -> Completion:
         reward = _number(row.get("reward"), "reward")
         value, name, is_ids = _one_of(row, "completion", "completion_ids")
         return self.completion(self.prompt(row), value, name, is_ids, reward, row.get("logprobs"),
-                               row.get("ref_logprobs"))
+                               row.get("ref_logprobs"), prompt_messages=row.get("prompt"))
 
     def grouped(self, row: dict) -> list[Completion]:
         value, name, is_ids = _one_of(row, "completions", "completions_ids")
@@ -222,8 +256,8 @@ class Encoder:
             per_completion[field] = lists or [None] * len(items)
         logprobs, ref_logprobs = per_completion["logprobs"], per_completion["ref_logprobs"]
         prompt = self.prompt(row)
-        return [self.completion(prompt, item, name, is_ids, rewards[k], logprobs[k], ref_logprobs[k], f"[{k}]")
-                for k, item in enumerate(items)]
+        return [self.completion(prompt, item, name, is_ids, rewards[k], logprobs[k], ref_logprobs[k], f"[{k}]",
+                                row.get("prompt")) for k, item in enumerate(items)]
 
 
 def _parse_json(raw: bytes) -> dict | BadRow:
@@ -340,6 +374,7 @@ class RolloutIndex:
     rewards: np.ndarray  # [N] float32
     lengths: np.ndarray  # [N] int32: completion tokens, including an appended EOS
     prompt_lengths: np.ndarray  # [N] int32: prompt tokens (a padding-free batch is balanced by prompt + completion)
+    loss_lengths: np.ndarray  # [N] int32: completion tokens in the loss (a multi-turn one's tool turns are not)
     rows: int  # rows in the file
     skipped_rows: int
     skipped_groups: int
@@ -360,7 +395,8 @@ class RolloutIndex:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.offsets, self.slots, self.rewards, self.lengths, self.prompt_lengths))
+        return sum(a.nbytes for a in (self.offsets, self.slots, self.rewards, self.lengths, self.prompt_lengths,
+                                      self.loss_lengths))
 
     def read(self, items: np.ndarray) -> list[Completion]:
         """The completions at index entries `items`, read from the file and tokenized again."""
@@ -386,16 +422,18 @@ class RolloutIndex:
 
 
 class _Columns:
-    """Growable per-completion arrays of the indexing pass: the index's 24 bytes, the group key and ok."""
+    """Growable per-completion arrays of the indexing pass: the index's 28 bytes, the group key and ok."""
 
     def __init__(self):
         self.offset, self.key = array("q"), array("Q")
         self.slot, self.reward, self.length, self.prompt_length = array("i"), array("f"), array("i"), array("i")
-        self.ok = array("b")
+        self.loss_length, self.ok = array("i"), array("b")
 
-    def add(self, offset: int, key: int, slot: int, reward: float, length: int, ok: bool, prompt_length: int = 0) -> None:
+    def add(self, offset: int, key: int, slot: int, reward: float, length: int, ok: bool, prompt_length: int = 0,
+            loss_length: int = 0) -> None:
         for column, value in zip((self.offset, self.key, self.slot, self.reward, self.length, self.prompt_length,
-                                  self.ok), (offset, key, slot, reward, length, prompt_length, ok)):
+                                  self.loss_length, self.ok),
+                                 (offset, key, slot, reward, length, prompt_length, loss_length, ok)):
             column.append(value)
 
     def numpy(self, name: str, dtype) -> np.ndarray:
@@ -439,7 +477,8 @@ def index_rollouts(path: str, encoder: Encoder, *, fmt: str = "auto", group_size
                 cols.add(offset, key, 0, math.nan, 0, ok=False)
             continue
         for slot, c in enumerate(completions):
-            cols.add(offset, key, slot, c.reward, len(c.tokens) - c.prompt_len, ok=True, prompt_length=c.prompt_len)
+            cols.add(offset, key, slot, c.reward, len(c.tokens) - c.prompt_len, ok=True, prompt_length=c.prompt_len,
+                     loss_length=c.loss_length)
     if rows == 0:
         raise RolloutError(f"{path}: no rollout rows")
 
@@ -488,7 +527,7 @@ def index_rollouts(path: str, encoder: Encoder, *, fmt: str = "auto", group_size
         path=path, source=source, encoder=encoder, grouped=bool(grouped), group_size=expected,
         offsets=offsets[sel], slots=cols.numpy("slot", np.int32)[sel],
         rewards=cols.numpy("reward", np.float32)[sel], lengths=cols.numpy("length", np.int32)[sel],
-        prompt_lengths=cols.numpy("prompt_length", np.int32)[sel],
+        prompt_lengths=cols.numpy("prompt_length", np.int32)[sel], loss_lengths=cols.numpy("loss_length", np.int32)[sel],
         rows=rows, skipped_rows=skipped_rows, skipped_groups=skipped_groups, stamp=(st.st_size, st.st_mtime_ns),
     )
 

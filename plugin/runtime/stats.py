@@ -170,8 +170,8 @@ class OnlineStats:
     every rank holds the same global values and nothing is reduced at log time.
     """
 
-    def __init__(self, reward_names: list[str], filter_groups: bool = False):
-        self.reward_names, self.filter_groups = reward_names, filter_groups
+    def __init__(self, reward_names: list[str], filter_groups: bool = False, tools: bool = False):
+        self.reward_names, self.filter_groups, self.tools = reward_names, filter_groups, tools
         self.since = time.perf_counter()  # wall time since the last log: the share's denominator
         self._clear()
 
@@ -179,12 +179,16 @@ class OnlineStats:
         self.batches, self.gen_time, self.tokens, self.seqs, self.truncated, self.len_max = 0, 0.0, 0, 0, 0, 0
         self.groups_dropped, self.extra_rounds = 0, 0
         self.gen_peak = 0
+        self.calls, self.failures, self.turns = 0, 0, 0
         self.rewards: list[list[float]] = [[] for _ in self.reward_names]
 
     def record(self, gen_time: float, gen_peak: int, lengths: list[int], truncated: list[bool],
-               rewards: list[list[float]]) -> None:
+               rewards: list[list[float]], tools: list | None = None) -> None:
         """One sampled global batch: the slowest rank's generation seconds, the largest rank's peak memory
-        during generation (bytes), and every completion's figures."""
+        during generation (bytes), and every completion's figures: its tokens in the loss (a multi-turn
+        one's tool turns are not), and with tools its ToolFigures (plugin.data.turns)."""
+        for f in tools or []:
+            self.calls, self.failures, self.turns = self.calls + f.calls, self.failures + f.failures, self.turns + f.turns
         self.batches += 1
         self.gen_peak = max(self.gen_peak, gen_peak)
         self.gen_time += gen_time
@@ -215,6 +219,10 @@ class OnlineStats:
             "online/completion_length_max": float(self.len_max),
             "online/truncated_fraction": self.truncated / self.seqs,
         }
+        if self.tools:  # TRL's names: calls per completion, and the share of calls that failed
+            out["tools/call_frequency"] = self.calls / self.seqs
+            out["tools/failure_frequency"] = self.failures / self.calls if self.calls else 0.0
+            out["tools/turns_mean"] = self.turns / self.seqs  # assistant turns per completion
         if self.filter_groups:  # per sampled batch
             out["online/groups_dropped"] = self.groups_dropped / self.batches
             out["online/extra_rounds"] = self.extra_rounds / self.batches
