@@ -1,5 +1,6 @@
 """One shot on one lent GPU: set-up, the log-prob benchmark, the reference-offload benchmark, generation against
-transformers' generate, padding-free against padded rows (the varlen kernel) and a 20-step GRPO run.
+transformers' generate, padding-free against padded rows (the varlen kernel), a 20-step GRPO run and a
+multi-turn online run with a tool (rows resumed from their KV cache on the device).
 
 Run from the repo root of a copy of the work tree, on a machine with one CUDA GPU and no package
 registry (the device tool's H200: Python 3.12, torch 2.11); the pure-Python packages it lacks travel
@@ -16,6 +17,7 @@ device tool brings back), go to $OUT if set, else benchmarks/results/gpu/:
                           transformers' generate where the machine has it; the summary names the attention kernels
   grpo_steps.csv          the GRPO run's metrics per step (from TensorBoard)
   grpo_tb.tar.gz          its TensorBoard events
+  (the multi-turn run's figures are in gpu_summary.md)
 
 --smoke runs the same parts on CPU with tiny shapes and 2 steps, to check this script anywhere.
 Standard library only, so it runs before anything is installed.
@@ -48,7 +50,8 @@ CARRIED = ("torchtitan==0.2.2", "torchdata==0.11.0", "tyro==1.0.17", "docstring-
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64")
 # Share of --budget per part; a part may also use what the parts before it left unused.
-SHARES = {"setup": 0.06, "logprob": 0.30, "offload": 0.12, "generation": 0.14, "padding_free": 0.06, "grpo": 0.32}
+SHARES = {"setup": 0.06, "logprob": 0.28, "offload": 0.11, "generation": 0.13, "padding_free": 0.06, "grpo": 0.28,
+          "multi_turn": 0.08}
 # gather first: the baseline of the diff column, and likely a quick OOM; then the unchunked compiled
 # pass that the fused pass's targets are ratios to, and the fused pass (policy) / blocked pass
 # (reference) that issue 10 built; should the part's time run out, the older chunked ones are left out
@@ -64,6 +67,7 @@ MODES = {
         offload=["--flavor", "0.6B", "--batch", "4", "--seq", "1024", "--steps", "4"],
         flavor="0.6B", steps=20, seq_len=1024, batch=8, chunk=256, groups=64, group_size=8,
         prompt=(128, 256), completion=(512, 768), grpo_extra=[],
+        multi_turn=dict(steps=3, prompts=8, new_tokens=128, seq_len=256),
         # the whole 0.6B model (28 layers), bf16 as the trainer computes, 32-token prompts, 128 new tokens
         generation=["--device", "cuda", "--dtype", "bfloat16", "--layers", "28", "--uniform", "64x128,256x128",
                     "--no-grpo", "--profile", "", "--attention-check", "--no-plot"],
@@ -75,6 +79,7 @@ MODES = {
         flavor="debugmodel", steps=2, seq_len=128, batch=8, chunk=32, groups=8, group_size=8,
         prompt=(16, 32), completion=(64, 96),
         generation=["--device", "cpu", "--layers", "1", "--uniform", "4x8", "--no-grpo", "--profile", "", "--no-plot"],
+        multi_turn=dict(steps=2, prompts=2, new_tokens=24, seq_len=80),
         # compiling on a 2-core CPU takes minutes, and the smoke checks the plumbing, not the speed
         grpo_extra=["--compile.no-enable", "--reference_model.no-compile"],
     ),
@@ -151,11 +156,13 @@ class Run:
         self.log.write(text + "\n")
         self.log.flush()
 
-    def job(self, name: str, cmd: list[str], timeout: float, cwd=REPO) -> tuple[str, str, str]:
-        """Run one command of a part, logged whole; (status, detail, output)."""
+    def job(self, name: str, cmd: list[str], timeout: float, cwd=REPO, env: dict | None = None) -> tuple[str, str, str]:
+        """Run one command of a part, logged whole, `env` added to the run's; (status, detail, output)."""
         self.say(f"\n## {name}: {' '.join(cmd)}  (timeout {timeout:.0f} s)")
         start = time.perf_counter()
-        returncode, output = run_job(cmd, env=self.env, cwd=cwd, timeout=max(timeout, 1))
+        if env and "PYTHONPATH" in env and self.env.get("PYTHONPATH"):  # the carried wheels stay first
+            env = {**env, "PYTHONPATH": os.pathsep.join([self.env["PYTHONPATH"], env["PYTHONPATH"]])}
+        returncode, output = run_job(cmd, env={**self.env, **(env or {})}, cwd=cwd, timeout=max(timeout, 1))
         status, detail = classify(returncode, output)
         self.log.write(output)
         tail = "" if status == OK else "\n" + "\n".join(output.splitlines()[-25:])
@@ -374,6 +381,46 @@ def part_grpo(run: Run, timeout: float) -> None:
     run.sections.append(head + "\n\n" + grpo_summary(steps, first + said, compiled))
 
 
+def part_multi_turn(run: Run, timeout: float) -> None:
+    """Online GRPO with a tool on 1 device, random weights: tests/toy_tools.py's format, which a random policy writes
+    in about half its turns, and its echo tool (as tests/test_tools_e2e.py on CPU). Rows pause, their tools run, and
+    they resume from their KV cache on the device; the figures are the run's tools/* and online/* tags."""
+    m, mt = run.mode, run.mode["multi_turn"]
+    prompts = run.scratch / "tool_prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"Q: {i} + {i + 1} ="}]}) + "\n"
+                               for i in range(mt["prompts"])))
+    dump = run.scratch / "multi_turn"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+        "-m", "torchtitan.train", "--job.config_file", "train_configs/qwen3_0.6b_gpu.toml",
+        "--job.dump_folder", str(dump), "--model.flavor", m["flavor"], "--parallelism.tensor_parallel_degree", "1",
+        "--training.steps", str(mt["steps"]), "--checkpoint.no-enable", "--checkpoint.no-initial-load-in-hf",
+        "--model.hf_assets_path", "plugin/assets/tokenizer", "--training.dataset_path", str(prompts),
+        "--training.seq_len", str(mt["seq_len"]), "--training.local_batch_size", str(8 * mt["prompts"]),
+        "--validation.no-enable", "--compile.no-enable", "--reference_model.no-compile",
+        "--experimental.custom_import", "toy_tools", "--online.tools", "toy_tools:echo",
+        "--online.tool_call_format", "toy", "--online.max_tool_calling_iterations", "2",
+        "--rollout_data.chat_template_path", "tests/fixtures/toy_chat.jinja",
+        "--online.reward_funcs", "toy_tools:tool_turns", "--online.reward_weights", "1.0",
+        "--online.max_new_tokens", str(mt["new_tokens"]),
+        "--online.stop_token_ids", "1", *map(str, range(1000, 1400)),
+        "--metrics.enable_tensorboard", "--metrics.log_freq", "1",
+    ]
+    env = {"PYTHONPATH": str(REPO / "tests"), "TOY_TOOL_LOG": str(run.scratch)}
+    status, detail, output = run.job("multi-turn run", cmd, timeout, env=env)
+    steps = max(read_scalars(dump), parse_log(output), key=len)
+    tags = ("tools/call_frequency", "tools/failure_frequency", "tools/turns_mean", "online/completion_length_mean",
+            "online/generation_time(s)", "online/generated_tokens_per_s", "loss_metrics/global_avg_loss")
+    lines = [f"### Multi-turn online GRPO with a tool, grpo_qwen3 {m['flavor']}, random weights, 1 device, eager; "
+             f"{mt['prompts']} prompts x 8, up to {mt['new_tokens']} new tokens, 2 tool turns at most", "",
+             f"status: {status if status.startswith('error') or not detail else f'{status}: {detail}'}", "",
+             "| step | " + " | ".join(tags) + " |", "|---:|" + "---:|" * len(tags)]
+    for step in sorted(steps):
+        lines.append(f"| {step} | " + " | ".join(f"{steps[step][t]:.4g}" if t in steps[step] else ""
+                                                 for t in tags) + " |")
+    run.sections.append("\n".join(lines))
+
+
 def parse_log(output: str) -> dict[int, dict[str, float]]:
     """torchtitan's console line per step, where TensorBoard left nothing: loss, memory, tps."""
     pat = re.compile(r"step:\s*(\d+)\s+loss:\s*([-\d.eE+na]+)\s+grad_norm:\s*([-\d.eE+na]+)\s+"
@@ -419,7 +466,7 @@ def grpo_summary(steps: dict, status: str, compiled: bool) -> str:
 
 
 PARTS = {"setup": part_setup, "logprob": part_logprob, "offload": part_offload, "generation": part_generation,
-         "padding_free": part_padding_free, "grpo": part_grpo}
+         "padding_free": part_padding_free, "grpo": part_grpo, "multi_turn": part_multi_turn}
 
 
 def main(argv=None) -> int:
