@@ -123,3 +123,12 @@ except ImportError:
 # [online] max_new_tokens = 6 in tests/test_online_e2e.py: completions past 3 tokens are punished
 soft_overlong = get_soft_overlong_punishment(max_completion_len=6, soft_punish_cache=3)
 short_soft_overlong = get_soft_overlong_punishment(max_completion_len=4, soft_punish_cache=2)
+
+
+def tool_like(x: int) -> int:
+    """A tool for tests/test_online_e2e.py's start-up errors.
+
+    Args:
+        x: Any number.
+    """
+    return x

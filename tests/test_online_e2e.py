@@ -136,6 +136,9 @@ def test_resume_mid_replay_is_bitwise(mu_runs):
      "[online] reward_funcs[0] = 'no_such_module:reward': cannot import module 'no_such_module'"),
     (("--online.max_new_tokens", "18"), "prompts.jsonl:1: the prompt is"),
     (("--online.reward_funcs", "reward_fns:raises_on_seven"), "raised on the prompt at "),
+    # the bundled tokenizer has no chat template to show tools in
+    (("--online.tools", "reward_fns:tool_like"), "set [rollout_data] chat_template_path to a template with tool support"),
+    (("--online.tools", "reward_fns:no_such_tool"), "[online] tools[0] = \"reward_fns:no_such_tool\""),
 ])
 def test_bad_input_stops_the_run_with_a_named_error(tmp_path, prompts, flags, message):
     proc = torchrun(1, CONFIG, "--job.dump_folder", str(tmp_path), "--training.steps", "1",

@@ -214,6 +214,12 @@ def test_turns_many_stops(check_every):
     assert cached.truncated == oracle.truncated
     diff = max(abs(x - y) for a, b in zip(cached.logprobs, oracle.logprobs) for x, y in zip(a, b) if x == x)
     assert diff <= LOGPROB_ATOL
+    # in several decode calls ([online] max_num_seqs), `turns` still sees the rows of the whole generate
+    split = ToolLike()
+    sampler = build_sampler(model, kv_cache=True, max_new_tokens=N, stop_ids=stops, temperature=TEMPERATURE,
+                            pad_id=PAD, check_every=check_every, max_num_seqs=3)
+    assert sampler.generate(prompts(), KEYS, split).completions == cached.completions
+    assert {b for rows, _, _ in split.calls for b in rows} > {0, 1, 2, 3}
     twice = sum(c.count(MARK) >= 2 for c in cached.completions)
     print(f"check_every {check_every}: {twice} rows resumed twice; masks {cached.tool_mask}")
     assert twice >= 2

@@ -60,6 +60,16 @@ class Sampler(Protocol):
     def generate(self, prompts: list[list[int]], keys: list[int], turns: Turns | None = None) -> Samples: ...
 
 
+class _Shifted:
+    """`turns` for one of several decode calls: its row b is the caller's row `offset + b`."""
+
+    def __init__(self, turns: Turns, offset: int):
+        self.turns, self.offset = turns, offset
+
+    def resume(self, rows: list[int], completions: list[list[int]], room: list[int]) -> list[list[int] | None]:
+        return self.turns.resume([self.offset + b for b in rows], completions, room)
+
+
 def _to_keys(keys: Sequence[int], device) -> torch.Tensor:
     for i, k in enumerate(keys):
         if not -(1 << 63) <= k < 1 << 64:
@@ -168,7 +178,8 @@ class _BaseSampler:
         calls = _max_rank(max(-(-len(prompts) // cap), 1), self.device)
         out = Samples([], [], [], [] if turns is not None else None)
         for c in range(calls):
-            part = self._generate(prompts[c * cap:(c + 1) * cap], keys[c * cap:(c + 1) * cap], turns)
+            shifted = None if turns is None else _Shifted(turns, c * cap)  # `turns` numbers the rows of all calls
+            part = self._generate(prompts[c * cap:(c + 1) * cap], keys[c * cap:(c + 1) * cap], shifted)
             for mine, theirs in zip((out.completions, out.logprobs, out.truncated, out.tool_mask), part):
                 if mine is not None:
                     mine.extend(theirs)
