@@ -211,27 +211,7 @@ class _BaseSampler:
                 live = self._round(session, live, keys_t, stops, tokens, logprobs, col, done, min(starts), max(starts))
                 if turns is None:
                     break
-                # each active row's turn ends at its first stop id, or it has reached the budget
-                rows, completions, room = [], [], []
-                for b, ids in zip(active, tokens[active].tolist()):
-                    end = next((j + 1 for j in range(turn_start[b], N) if ids[j] in self.stop_ids), None)
-                    ended[b] = end
-                    if end is not None:
-                        rows.append(b)
-                        completions.append(ids[:end])
-                        room.append(N - 1 - end)
-                resumed = []
-                for b, more, fits in zip(rows, turns.resume(rows, completions, room), room):
-                    if more is None:
-                        continue
-                    if len(more) > fits:
-                        truncated[b] = True  # a tool result that would overflow the budget ends the row
-                        continue
-                    e = ended[b]
-                    tokens[b, e:e + len(more)] = torch.tensor(more, device=self.device)
-                    logprobs[b, e:e + len(more)] = math.nan
-                    appended[b, e:e + len(more)] = True
-                    resumed.append((b, e, len(more)))
+                resumed = self._next_turns(turns, active, tokens, logprobs, appended, turn_start, ended, truncated)
                 if not _any_rank(bool(resumed), self.device):
                     break
                 active = [b for b, _, _ in resumed]
@@ -250,6 +230,31 @@ class _BaseSampler:
             if out[3] is not None:
                 out[3].append([int(not x) for x in tool[:end or N]])
         return out
+
+    def _next_turns(self, turns: Turns, active: list[int], tokens, logprobs, appended, turn_start: list[int],
+                    ended: list, truncated: list[bool]) -> list[tuple[int, int, int]]:
+        """After a round: where each active row's turn ended (its first stop id; None: the budget), and for the rows
+        that `turns` resumes, their appended ids written after it. Returns (row, column after the stop id, ids)."""
+        N, rows, completions, room = self.max_new_tokens, [], [], []
+        for b, ids in zip(active, tokens[active].tolist()):
+            ended[b] = next((j + 1 for j in range(turn_start[b], N) if ids[j] in self.stop_ids), None)
+            if ended[b] is not None:
+                rows.append(b)
+                completions.append(ids[:ended[b]])
+                room.append(N - 1 - ended[b])
+        resumed = []
+        for b, more, fits in zip(rows, turns.resume(rows, completions, room), room):
+            if more is None:
+                continue
+            if len(more) > fits:
+                truncated[b] = True  # a tool result that would overflow the budget ends the row, without it
+                continue
+            e = ended[b]
+            tokens[b, e:e + len(more)] = torch.tensor(more, device=self.device)
+            logprobs[b, e:e + len(more)] = math.nan
+            appended[b, e:e + len(more)] = True
+            resumed.append((b, e, len(more)))
+        return resumed
 
     def _rows(self, count: int) -> int:
         """Rows a decode batch of `count` unfinished ones holds: a multiple of the TP degree (which shards them),
