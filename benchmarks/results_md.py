@@ -86,6 +86,24 @@ def padding_free(rows):
     return table_rows(rows)
 
 
+def trl_parity(rows):
+    from trl_parity import table_rows  # benchmarks/trl_parity.py: mean and spread over seeds
+
+    return table_rows(rows)
+
+
+def trl_parity_train(rows):
+    from trl_parity import train_table_rows
+
+    return train_table_rows(rows)
+
+
+def trl_parity_replies(rows):
+    from trl_parity import replies_table_rows
+
+    return replies_table_rows(rows)
+
+
 # CSV name prefix -> (the script that writes it, rows -> table rows; None: the CSV as it is)
 TABLES = {
     "fused_precision": ("fused_precision.py", columns("path", ("dh_error", "dL/dh error"), ("dw_error", "dL/dW error"))),
@@ -108,6 +126,9 @@ TABLES = {
         ("cpu_us_per_row", "CPU per row (µs)"), ("first_batch_s", "first batch (s)"), ("index_mb", "index (MB)"),
         ("peak_rss_growth_mb", "peak RSS growth (MB)"))),
     "smollm2_learning": ("smollm2_learning.py", smollm2_learning),
+    "trl_parity": ("trl_parity.py", trl_parity),
+    "trl_parity_replies": ("trl_parity.py", trl_parity_replies),
+    "trl_parity_train": ("trl_parity.py", trl_parity_train),
     "step_time": ("step_time.py", columns(
         "variant", ("median_step_cpu_s", "CPU s / step"), ("ratio_to_ce_cpu", "/ cross-entropy"),
         ("ratio_min_cpu", "min over rounds"), ("ratio_max_cpu", "max over rounds"), ("target_ratio_cpu", "target"),

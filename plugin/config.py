@@ -282,11 +282,20 @@ class Online:
 
 
 @dataclass
+class Optimizer:
+    """What the plugin adds to torchtitan's [optimizer] section (torchtitan merges a section of the same name)."""
+
+    weight_decay_exempt: Literal["none", "norms_and_biases"] = "none"
+    """Parameters left out of weight decay: none (torchtitan decays every parameter), or norms_and_biases: 1-D ones, as the Hugging Face Trainer (TRL) does; embeddings and linear weights decay in both."""
+
+
+@dataclass
 class JobConfig:
     grpo: GRPO = field(default_factory=GRPO)
     reference_model: ReferenceModel = field(default_factory=ReferenceModel)
     rollout_data: RolloutData = field(default_factory=RolloutData)
     online: Online = field(default_factory=Online)
+    optimizer: Optimizer = field(default_factory=Optimizer)
 
 
 def _check(section: str, key: str, value, ok: bool, what: str) -> None:

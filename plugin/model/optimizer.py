@@ -8,28 +8,53 @@
    toward the policy.
 3. No update from a step with a non-finite term (plugin.runtime.guard), and the steps asked for are
    counted in the state dict (`grpo_step_calls`).
+4. `[optimizer] weight_decay_exempt = "norms_and_biases"` puts 1-D parameters (norm weights, biases) in a
+   second param group without weight decay, as the Hugging Face Trainer (TRL) does; torchtitan decays all.
 The entries' names are those of the checkpoints written before this module existed.
 """
+
+from typing import get_args
 
 import torch
 import torch.nn as nn
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.tools.logging import logger
 
+from plugin.config import Optimizer
 from plugin.model.reference import REFERENCE_PREFIX, Reference
 from plugin.runtime.guard import nonfinite_terms, refuse_step
 from plugin.runtime.stats import GRPOStats
 
 STEP_KEY = "grpo_step_calls"
 OPTIMIZERS = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}  # torchtitan's build_optimizers' choice
+WEIGHT_DECAY_EXEMPT = get_args(Optimizer.__annotations__["weight_decay_exempt"])
+
+
+def decay_groups(params, weight_decay_exempt: str) -> list[dict]:
+    """Param groups: all of `params` (none exempt), or the 1-D ones apart with weight_decay 0.
+
+    A 1-D parameter of llama3/qwen3 is a norm weight (or a bias): the parameters that the Hugging Face
+    Trainer's get_decay_parameter_names leaves out by name. Embeddings and the (tied) output decay in both.
+    `ndim` is a DTensor's global one, so FSDP and TP shards fall in the same groups.
+    """
+    params = list(params)
+    if weight_decay_exempt == "none":
+        return [{"params": params}]
+    groups = [{"params": [p for p in params if p.ndim >= 2]},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
 
 
 class GRPOOptimizersContainer(OptimizersContainer):
     """torchtitan's OptimizersContainer with the reference in its state, its sync, and the non-finite guard."""
 
     def __init__(self, model_parts: list[nn.Module], optimizer_cls, optimizer_kwargs: dict, *,
-                 reference: Reference | None, stats: GRPOStats):
-        super().__init__(model_parts, optimizer_cls, optimizer_kwargs)
+                 reference: Reference | None, stats: GRPOStats, weight_decay_exempt: str = "none"):
+        # torchtitan's container hands each model part's parameters to optimizer_cls: grouped on the way
+        grouped = lambda params, **kwargs: optimizer_cls(decay_groups(params, weight_decay_exempt), **kwargs)  # noqa: E731
+        super().__init__(model_parts, grouped, optimizer_kwargs)
+        # the config's decay per group; a checkpoint's param groups (another setting's, perhaps) do not override it
+        self.weight_decays = [[g["weight_decay"] for g in o.param_groups] for o in self.optimizers]
         self.reference, self.stats = reference, stats
         self.step_calls = 0  # steps asked for, applied or skipped; saved with the state
         self.applied_steps = 0  # for [reference_model] sync_steps; a resume reads it from the optimizer state
@@ -73,6 +98,9 @@ class GRPOOptimizersContainer(OptimizersContainer):
             self.step_calls = int(state_dict.pop(STEP_KEY))
         reference_sd = {k: state_dict.pop(k) for k in list(state_dict) if k.startswith(REFERENCE_PREFIX)}
         super().load_state_dict(state_dict)
+        for optimizer, decays in zip(self.optimizers, self.weight_decays):
+            for group, decay in zip(optimizer.param_groups, decays):
+                group["weight_decay"] = decay
         self.applied_steps = self._optimizer_steps()
         if reference_sd and self.reference is not None:
             self.reference.load_state_dict(reference_sd)
@@ -96,8 +124,11 @@ def build_grpo_optimizers(model_parts: list[nn.Module], optimizer_config, parall
     if optimizer_config.name not in OPTIMIZERS:
         raise ValueError(f"[optimizer] name = {optimizer_config.name!r} is not one of {list(OPTIMIZERS)}")
     c = optimizer_config
+    if c.weight_decay_exempt not in WEIGHT_DECAY_EXEMPT:  # a TOML value bypasses tyro's Literal check
+        raise ValueError(f"[optimizer] weight_decay_exempt = {c.weight_decay_exempt!r} is not one of "
+                         f"{list(WEIGHT_DECAY_EXEMPT)}")
     kwargs = dict(lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps, weight_decay=c.weight_decay,
                   fused=c.implementation == "fused", foreach=c.implementation == "foreach")
     policy = model_parts[0]
     return GRPOOptimizersContainer(model_parts, OPTIMIZERS[c.name], kwargs, reference=policy.reference,
-                                   stats=policy.stats)
+                                   stats=policy.stats, weight_decay_exempt=c.weight_decay_exempt)
