@@ -138,3 +138,77 @@ def sum_format(prompts, completions, completion_ids, **columns) -> list[float]:
     """
     return [0.5 * (bool(ids) and ids[-1] == SMOLLM2_EOS) + 0.5 * bool(_ONLY_NUMBER.fullmatch(_reply(c)))
             for c, ids in zip(completions, completion_ids, strict=True)]
+
+
+# SmolLM2-135M-Instruct with a calculator (train_configs/smollm2_tools_cpu.toml): the product of a
+# 3-digit and a 2-digit number, which it cannot work out in its head, asked with a `multiply` tool
+# (hermes format, plugin/assets/chat_templates/chatml_tools.jinja) after two worked exchanges. After
+# one, the start weights write `<tool_response>` where the call should be (the exact call has
+# P < 1e-4 a question); after two, P = 0.19, and at temperature 1 they called multiply right in 37 of
+# 256 replies (14.5%), then reported its result in 36; greedy, they never call (benchmarks/tool_learning.py).
+# Rewards read TRL's tool trajectory: completions[i] is [assistant (with "tool_calls"), tool, ...,
+# assistant], the final answer last.
+TOOL_FIRST = range(100, 1000)
+TOOL_SECOND = range(10, 100)
+WORKED_EXAMPLES = ((312, 47), (608, 29))  # shown in every prompt, never asked
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiplies two integers.
+
+    Args:
+        a: The first factor.
+        b: The second factor.
+    """
+    # int(): a call with "312" for 312 gets the product, not Python's string repetition
+    return int(a) * int(b)
+
+
+def _worked(a: int, b: int) -> list[dict]:
+    call = {"type": "function", "function": {"name": "multiply", "arguments": {"a": a, "b": b}}}
+    return [{"role": "user", "content": f"What is {a} * {b}?"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": "multiply", "content": str(a * b)},
+            {"role": "assistant", "content": str(a * b)}]
+
+
+def product_question(a: int, b: int) -> list[dict]:
+    """The conversational prompt for a * b: the worked exchanges with the tool, then the question."""
+    return [*(m for x, y in WORKED_EXAMPLES for m in _worked(x, y)), {"role": "user", "content": f"What is {a} * {b}?"}]
+
+
+def _trajectory(completion) -> list[dict]:
+    """A completion as messages: a tool trajectory as given, a text completion as one assistant message."""
+    return completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
+
+
+def _tool_results(messages: list[dict]) -> list[str]:
+    return [m["content"].strip() for m in messages if m["role"] == "tool"]
+
+
+def tool_correct(prompts, completions, completion_ids=None, answer=None, **columns) -> list[float]:
+    """1.0 iff the final assistant message follows a tool result, calls nothing itself, and its last integer is
+    the row's `answer`; else 0.0.
+
+    An answer given without a tool result does not pay, right or wrong: the task is to use the tool, and
+    a lucky guess or a copied number would otherwise be reinforced like a tool call.
+    """
+    rewards = []
+    for completion, right in zip(completions, answer, strict=True):
+        messages = _trajectory(completion)
+        final = messages[-1]
+        numbers = _INTEGER.findall(final.get("content") or "")
+        # "tool_calls" is there, possibly empty, whenever the reply tried a call (plugin.generation.tools)
+        rewards.append(1.0 if final["role"] == "assistant" and "tool_calls" not in final and _tool_results(messages)
+                       and numbers and int(numbers[-1]) == int(right) else 0.0)
+    return rewards
+
+
+def tool_call_right(prompts, completions, completion_ids=None, answer=None, **columns) -> list[float]:
+    """1.0 iff a tool result of the trajectory is the row's `answer` (multiply called on the question's numbers),
+    whatever the final message says; else 0.0.
+
+    A shaping term: a well-formed call on other numbers (the worked examples' 312 and 47) earns nothing.
+    """
+    return [1.0 if str(int(right)) in _tool_results(_trajectory(completion)) else 0.0
+            for completion, right in zip(completions, answer, strict=True)]

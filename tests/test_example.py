@@ -343,3 +343,70 @@ def test_smollm2_online_config_names_the_sum_rewards_and_files():
     assert [(f.fn, f.weight) for f in fns] == [(example.sum_correct, 1.0), (example.sum_format, 0.25)]
     assert job.online.stop_token_ids == [example.SMOLLM2_EOS]
     assert (REPO / job.training.dataset_path).is_file() and (REPO / job.validation.dataset_path).is_file()
+
+
+# The SmolLM2 tool example's rewards (train_configs/smollm2_tools_cpu.toml), on TRL's tool trajectories
+def _call(a, b) -> dict:
+    return {"role": "assistant", "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "multiply", "arguments": {"a": a, "b": b}}}]}
+
+
+def _tool(result) -> dict:
+    return {"role": "tool", "name": "multiply", "content": str(result)}
+
+
+@pytest.mark.parametrize(
+    "trajectory, correct, call_right",
+    [
+        ([_call(523, 86), _tool(44978), _said("44978")[0]], 1.0, 1.0),
+        ([_call(523, 86), _tool(44978), _said("The answer is 44978.")[0]], 1.0, 1.0),
+        ([_call(523, 86), _tool(44978), _said("44987")[0]], 0.0, 1.0),  # misreported
+        ([_call(312, 47), _tool(14664), _said("44978")[0]], 1.0, 0.0),  # the worked example's numbers, a right copy
+        (_said("44978"), 0.0, 0.0),  # right without the tool: no pay
+        ([_call(523, 86)], 0.0, 0.0),  # cut before the tool answered
+        ([_call(523, 86), _tool(44978), _call(523, 86)], 0.0, 1.0),  # the last turn calls again
+        ([{"role": "assistant", "content": "", "tool_calls": []}, _tool('{"error": "bad"}'), _said("44978")[0]],
+         1.0, 0.0),
+    ],
+)
+def test_tool_rewards(trajectory, correct, call_right):
+    prompts = [example.product_question(523, 86)]
+    assert example.tool_correct(prompts, [trajectory], [[2]], answer=[44978]) == [correct]
+    assert example.tool_call_right(prompts, [trajectory], [[2]], answer=[44978]) == [call_right]
+
+
+def test_multiply_is_a_tool_with_a_schema():
+    from plugin.generation.tools import load_tools
+
+    (tool,) = load_tools(["plugin.example:multiply"])
+    assert tool.schema["function"]["parameters"]["required"] == ["a", "b"]
+    assert example.multiply(523, 86) == example.multiply("523", "86") == 44978
+
+
+def test_committed_tool_prompts_are_disjoint_and_match_the_script(tmp_path):
+    import tool_data  # data/, the tool example's prompt files
+
+    tool_data.main(["--out-dir", str(tmp_path)])
+    names = ("smollm2_tool_prompts.jsonl", "smollm2_tool_heldout.jsonl", "smollm2_tool_bigger.jsonl")
+    for name in names:
+        assert (tmp_path / name).read_bytes() == (REPO / "data" / name).read_bytes(), name
+    train, heldout, bigger = (read_rows(REPO / "data" / n) for n in names)
+    question = lambda r: r["prompt"][-1]["content"]  # noqa: E731
+    assert len(train) == 2048 and len(heldout) == len(bigger) == 128
+    assert not {question(r) for r in train} & {question(r) for r in heldout}
+    for r in train + heldout + bigger:
+        a, b = map(int, re.findall(r"\d+", question(r)))
+        assert r["answer"] == a * b and r["prompt"][:-1] == example.product_question(a, b)[:-1]
+
+
+def test_smollm2_tools_config_names_the_tool_rewards_and_template():
+    from torchtitan.config import ConfigManager
+
+    from plugin.data.rewards import load_reward_fns
+
+    job = ConfigManager().parse_args(["--job.config_file", str(REPO / "train_configs/smollm2_tools_cpu.toml")])
+    fns = load_reward_fns(job.online.reward_funcs, job.online.reward_weights)
+    assert [(f.fn, f.weight) for f in fns] == [(example.tool_correct, 1.0), (example.tool_call_right, 0.25)]
+    assert job.online.tools == ["plugin.example:multiply"]
+    assert (REPO / job.rollout_data.chat_template_path).is_file()
+    assert (REPO / job.training.dataset_path).is_file() and (REPO / job.validation.dataset_path).is_file()
