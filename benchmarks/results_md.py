@@ -126,6 +126,10 @@ TABLES = {
         ("cpu_us_per_row", "CPU per row (µs)"), ("first_batch_s", "first batch (s)"), ("index_mb", "index (MB)"),
         ("peak_rss_growth_mb", "peak RSS growth (MB)"))),
     "smollm2_learning": ("smollm2_learning.py", smollm2_learning),
+    "tool_learning": ("tool_learning.py", columns(
+        "model", "step", "prompts", "mode", "replies", ("accuracy", "right"), ("call_rate", "calls"),
+        ("right_call_rate", "right calls"), ("accuracy_without_call", "right without a call"),
+        ("mean_model_tokens", "model tokens"), ("mean_tool_tokens", "tool tokens"), ("cpu_s", "CPU s"))),
     "trl_parity": ("trl_parity.py", trl_parity),
     "trl_parity_replies": ("trl_parity.py", trl_parity_replies),
     "trl_parity_train": ("trl_parity.py", trl_parity_train),

@@ -1,7 +1,7 @@
 """Does online GRPO teach SmolLM2-135M-Instruct to use a calculator? Held-out accuracy and call rate, own tool loop.
 
 train_configs/smollm2_tools_cpu.toml trains on data/smollm2_tool_prompts.jsonl ("What is 523 * 86?"
-after one worked exchange with the `multiply` tool) with the reward functions of plugin.example.
+after two worked exchanges with the `multiply` tool) with the reward functions of plugin.example.
 This script uses neither the run's tool loop nor its rewards: it renders each prompt with the tools
 chat template and plugin.example.multiply's schema (transformers' `apply_chat_template(..., tools=)`),
 generates with transformers, finds `<tool_call>{...}</tool_call>` blocks with its own regex, calls
@@ -249,7 +249,13 @@ def main(argv=None) -> None:
     from transformers import AutoTokenizer
 
     start = Path(args.start)
-    folders = {str(Path(m)): 0 if Path(m).resolve() == start.resolve() else "" for m in args.model}
+    def step_of(folder: Path):  # 0: the start weights; N: a run's checkpoint/step-N; "": unknown
+        if folder.resolve() == start.resolve():
+            return 0
+        match = re.fullmatch(r"step-(\d+)", folder.name)
+        return int(match[1]) if match else ""
+
+    folders = {str(Path(m)): step_of(Path(m)) for m in args.model}
     if args.dump:
         folders |= {str(start): 0, **{str(p): s for s, p in sorted(checkpoints(Path(args.dump)).items())}}
     if not folders:
