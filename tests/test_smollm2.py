@@ -327,3 +327,21 @@ def test_online_run_on_chat_prompts_agrees_with_its_sampler_and_exports_for_tran
     # learning rates allow (Adam moves an element by about lr a step; debug_cpu.toml: 1e-3 over 4 warm-up steps)
     moved = max((p - q).abs().max().item() for p, q in zip(model.parameters(), original.parameters()))
     assert 0 < moved < 1e-3 and (trained - before).abs().max() > 0
+
+
+def test_tool_learning_benchmark_runs_its_own_tool_loop(hf_dir, tmp_path):
+    """benchmarks/tool_learning.py on 2 held-out prompts, greedy: it scores, writes its CSV and logs trajectories."""
+    import csv
+    import subprocess
+    import sys
+
+    log = tmp_path / "trajectories.jsonl"
+    proc = subprocess.run([sys.executable, "benchmarks/tool_learning.py", "--model", str(hf_dir), "--start", str(hf_dir),
+                           "--limit", "2", "--max-new-tokens", "24", "--results", str(tmp_path), "--log", str(log)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = list(csv.DictReader(open(tmp_path / "tool_learning.csv")))
+    assert row["replies"] == "2" and row["step"] == "0" and 0 <= float(row["accuracy"]) <= 1
+    assert (tmp_path / "tool_learning.png").is_file()
+    assert [json.loads(line)["question"] for line in log.read_text().splitlines()] == \
+        [json.loads(line)["prompt"][-1]["content"] for line in (REPO / "data/smollm2_tool_heldout.jsonl").open()][:2]
