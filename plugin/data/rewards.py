@@ -21,7 +21,7 @@ import inspect
 import math
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -125,12 +125,22 @@ def score_once(reward_fns, tp_group, prompts: list, completions: list, completio
     """
     if tp_group is None:
         return score(reward_fns, prompts, completions, completion_ids, columns, where)
-    tp, rank, n = dist.get_world_size(tp_group), dist.get_rank(tp_group), len(completions)
-    mine = slice(n * rank // tp, n * (rank + 1) // tp)
+    parts = run_once(tp_group, len(completions), lambda mine: score(
+        reward_fns, prompts[mine], completions[mine], completion_ids[mine], {k: v[mine] for k, v in columns.items()},
+        where[mine]), RewardError)
+    totals = [v for p in parts for v in p[0]]
+    per_fn = [[v for p in parts for v in p[1][k]] for k in range(len(reward_fns))]
+    return totals, per_fn
+
+
+def run_once(tp_group, n: int, work: Callable[[slice], Any], error: type[Exception], what: str = "") -> list:
+    """`work` of this TP rank's contiguous share of `n` items, every peer's result in rank order: each item handled
+    once in the job (TP peers hold the same items). A failure on any rank is raised on every rank, so none waits
+    for the others' collective."""
+    tp, rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
     part, failure = None, None
     try:
-        part = score(reward_fns, prompts[mine], completions[mine], completion_ids[mine],
-                     {k: v[mine] for k, v in columns.items()}, where[mine])
+        part = work(slice(n * rank // tp, n * (rank + 1) // tp))
     except Exception as e:
         failure = e
     parts = [None] * tp
@@ -139,10 +149,8 @@ def score_once(reward_fns, tp_group, prompts: list, completions: list, completio
         raise failure
     for _, peer_error in parts:
         if peer_error is not None:
-            raise RewardError(f"on a tensor-parallel peer: {peer_error}")
-    totals = [v for p, _ in parts for v in p[0]]
-    per_fn = [[v for p, _ in parts for v in p[1][k]] for k in range(len(reward_fns))]
-    return totals, per_fn
+            raise error(f"{what}on a tensor-parallel peer: {peer_error}")
+    return [p for p, _ in parts]
 
 
 def _call_all(fns: list[RewardFn], kwargs: dict) -> list:

@@ -22,7 +22,7 @@ import types
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Protocol, Union, get_args, get_origin, get_type_hints
 
-import torch.distributed as dist
+from plugin.data.rewards import run_once
 
 
 @dataclass
@@ -332,17 +332,7 @@ def run_tools(tools: list[Tool], calls: list[ToolCall], timeout: float, tp_group
     """
     if tp_group is None:
         return _run(tools, calls, timeout)
-    tp, rank, n = dist.get_world_size(tp_group), dist.get_rank(tp_group), len(calls)
-    part, failure = None, None
-    try:
-        part = _run(tools, calls[n * rank // tp: n * (rank + 1) // tp], timeout)
-    except Exception as e:  # a bug here, not a tool's failure: every peer must still join the gather
-        failure = e
-    parts = [None] * tp
-    dist.all_gather_object(parts, (part, failure and f"{type(failure).__name__}: {failure}"), group=tp_group)
-    if failure is not None:
-        raise failure
-    for _, peer_error in parts:
-        if peer_error is not None:
-            raise RuntimeError(f"running tool calls on a tensor-parallel peer: {peer_error}")
-    return [r for p, _ in parts for r in p]
+    # a failure here is a bug, not a tool's: every peer still joins the gather, then raises
+    parts = run_once(tp_group, len(calls), lambda mine: _run(tools, calls[mine], timeout), RuntimeError,
+                     "running tool calls ")
+    return [r for p in parts for r in p]
