@@ -138,9 +138,9 @@ def read_scalars(dump: Path) -> dict[int, dict[str, float]]:
     return steps
 
 
-def children(pid: int) -> list[int]:
-    """Direct children of `pid` (a scan of /proc/*/stat: /proc/<pid>/task/*/children needs CONFIG_PROC_CHILDREN)."""
-    kids = []
+def proc_stats() -> dict[int, list[str]]:
+    """Every live process's /proc/<pid>/stat fields after its name: [state, ppid, ...]."""
+    out = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -150,9 +150,13 @@ def children(pid: int) -> list[int]:
         except OSError:  # gone since the listing
             continue
         # "pid (comm) state ppid ...": comm may hold spaces and parentheses
-        if int(stat[stat.rfind(")") + 2 :].split()[1]) == pid:
-            kids.append(int(entry))
-    return kids
+        out[int(entry)] = stat[stat.rfind(")") + 2 :].split()
+    return out
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of `pid` (a scan of /proc/*/stat: /proc/<pid>/task/*/children needs CONFIG_PROC_CHILDREN)."""
+    return [p for p, fields in proc_stats().items() if int(fields[1]) == pid]
 
 
 def worker_pids(torchrun_pid: int, variable: str = "RANK") -> dict[int, int]:

@@ -52,7 +52,7 @@ from functools import reduce
 from pathlib import Path
 
 import results_md
-from job_status import read_scalars  # benchmarks/, the script's folder
+from job_status import proc_stats, read_scalars  # benchmarks/, the script's folder
 from smollm2_learning import EOS, START, bare, checkpoints, greedy_replies, load, parse, score
 
 REPO = Path(__file__).resolve().parents[1]
@@ -149,18 +149,9 @@ def trl_config(cfg, seed: int, steps: int, output_dir: Path) -> dict:
 
 def process_tree_cpu(root: int) -> float:
     """User + system seconds of `root` and its live descendants, with the children each has waited for."""
-    parent, cpu = {}, {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:  # gone since the listing
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()  # "pid (comm) state ppid ...": comm may hold spaces
-        parent[int(entry)] = int(fields[1])
-        cpu[int(entry)] = sum(int(x) for x in fields[11:15])  # utime stime cutime cstime, in clock ticks
+    stats = proc_stats()
+    parent = {p: int(fields[1]) for p, fields in stats.items()}
+    cpu = {p: sum(int(x) for x in fields[11:15]) for p, fields in stats.items()}  # utime stime cutime cstime, ticks
     tree, frontier = {root}, [root]
     while frontier:
         frontier = [p for p, pp in parent.items() if pp in frontier and p not in tree]
