@@ -1,13 +1,13 @@
 """Does online GRPO teach SmolLM2-135M-Instruct sums? Held-out accuracy before and after, with its own parser.
 
-train_configs/smollm2_online_cpu.toml trains on data/smollm2_sum_prompts.jsonl with the reward
-functions plugin.example:sum_correct and sum_format. This script does not use them: it generates
-greedily with transformers from the start weights and from every checkpoint of the run (DCP folders
-are converted through the plugin's HF state-dict adapter; the last step's HF export loads as it is),
-on the 256 held-out prompts of data/smollm2_sum_heldout.jsonl through the tokenizer's chat template,
-and takes the last run of digits in the reply as its answer. It also parses the run's own greedy
-evaluations (<dump>/eval/step-*.jsonl, [online] eval_log_completions) the same way, and reads where
-the time went from the run's TensorBoard tags (online/generation_time(s), time_metrics/end_to_end(s)).
+train_configs/smollm2_online_cpu.toml trains on data/smollm2_sum_prompts.jsonl with the reward function
+plugin.example:sum_correct. This script does not use it: it generates greedily with transformers from the
+start weights and from every checkpoint of the run (DCP folders are converted through the plugin's HF
+state-dict adapter; the last step's HF export loads as it is), on the 256 held-out prompts of
+data/smollm2_sum_heldout.jsonl through the tokenizer's chat template, and takes the last run of digits in
+the reply as its answer. It also parses the run's own greedy evaluations (<dump>/eval/step-*.jsonl, [online]
+eval_log_completions) the same way, and reads where the time went from the run's TensorBoard tags
+(online/generation_time(s), time_metrics/end_to_end(s)).
 
 Simplifications:
 1. Greedy only, up to 16 new tokens (the run's [online] max_new_tokens), stopped at <|im_end|>.

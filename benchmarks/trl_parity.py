@@ -5,7 +5,7 @@ train_configs/smollm2_online_cpu.toml, read from the TOML as torchtitan parses i
 - ours: torchrun of that config with --debug.seed S --training.steps N, a DCP checkpoint every gcd(eval steps)
   steps, its own evaluation off;
 - TRL: GRPOTrainer (a script this file writes to a temp file, run with a separate venv's python, --trl-python)
-  with the same prompts, rewards (plugin/example.py's sum_correct and sum_format, loaded by path), group size,
+  with the same prompts, rewards (the TOML's functions from plugin/example.py, loaded by path), group size,
   new tokens, temperature, AdamW settings, linear decay, clipping and loss (token_mean = TRL's "dapo",
   group_std = scale_rewards "group"), in fp32, saving the model at each eval step.
 Each saved model, and the start weights (step 0), is scored with transformers' greedy generate and
@@ -225,8 +225,7 @@ def train_ours(args, seed: int, folder: Path, interval: int, env: dict) -> dict:
     run = run_marked(cmd, "ours", env, folder / "train.log", args.timeout)
     tags = read_scalars(folder)
     run["train"] = [dict(step=s, reward_mean=t.get("grpo/reward_mean"),
-                         correct_mean=t.get("online/reward/sum_correct_mean"),
-                         format_mean=t.get("online/reward/sum_format_mean")) for s, t in sorted(tags.items())]
+                         correct_mean=t.get("online/reward/sum_correct_mean")) for s, t in sorted(tags.items())]
     run["models"] = {s: str(p) for s, p in checkpoints(folder).items()}
     return run
 
@@ -249,8 +248,7 @@ def train_trl(args, cfg, seed: int, folder: Path, env: dict) -> dict:
     finally:
         os.unlink(script.name)
     run["train"] = [dict(step=entry["step"], reward_mean=entry.get("reward"),
-                         correct_mean=entry.get("rewards/sum_correct/mean"),
-                         format_mean=entry.get("rewards/sum_format/mean"))
+                         correct_mean=entry.get("rewards/sum_correct/mean"))
                     for entry in run.pop("trl_logs") if "reward" in entry]
     run["models"] = {int(p.name.split("-")[1]): str(p) for p in (folder / "out").glob("checkpoint-*")}
     return run
@@ -323,8 +321,7 @@ def train_table_rows(rows: list[dict], block: int = 10) -> list[dict]:
             mean = lambda key: statistics.mean(num(r[key]) for r in part)  # noqa: B023, E731
             last = max(int(r["step"]) for r in part)
             out.append({"side": side, "steps": f"{first}–{last}", "seeds": len({r["seed"] for r in part}),
-                        "reward (correct + 0.25 format)": f"{mean('reward_mean'):.3f}",
-                        "replies right": f"{mean('correct_mean'):.1%}", "format reward": f"{mean('format_mean'):.3f}"})
+                        "reward": f"{mean('reward_mean'):.3f}", "replies right": f"{mean('correct_mean'):.1%}"})
     return out
 
 
@@ -424,7 +421,7 @@ def main() -> None:
     results = Path(args.results)
     results_md.write_csv(results / "trl_parity.csv", rows, COLUMNS)
     results_md.write_csv(results / "trl_parity_train.csv", train_rows,
-                         ["side", "seed", "step", "reward_mean", "correct_mean", "format_mean"])
+                         ["side", "seed", "step", "reward_mean", "correct_mean"])
     results_md.write_csv(results / "trl_parity_replies.csv", reply_rows,
                          ["side", "seed", "step", "question", "answer", "reply", "right", "bare"])
     plot(rows, results / "trl_parity.png",

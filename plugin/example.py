@@ -103,10 +103,10 @@ def prompt_pool(split: str, compare: bool = False) -> list[str]:
 
 # SmolLM2-135M-Instruct's example (train_configs/smollm2_online_cpu.toml): two-number sums asked
 # through its chat template. Greedy, it gets about a quarter right and often shows its working
-# ("20 + 13 = 33"), so a group mixes right and wrong replies from the first step.
+# ("20 + 13 = 33"), so a group mixes right and wrong replies from the first step. Only a right answer
+# is paid: a format mark for a bare number, right or wrong, taught some runs that shortcut instead.
 SUM_OPERANDS = range(2, 50)
 _INTEGER = re.compile(r"-?\d+")
-_ONLY_NUMBER = re.compile(r"\s*-?\d+\.?\s*")
 SMOLLM2_EOS = 2  # <|im_end|>, the end of an assistant turn and [online] stop_token_ids
 
 
@@ -127,17 +127,6 @@ def sum_correct(prompts, completions, completion_ids=None, answer=None, **column
         numbers = _INTEGER.findall(_reply(completion))
         rewards.append(1.0 if numbers and int(numbers[-1]) == int(right) else 0.0)
     return rewards
-
-
-def sum_format(prompts, completions, completion_ids, **columns) -> list[float]:
-    """0.5 if the reply ended by itself (<|im_end|>, not cut at max_new_tokens), plus 0.5 if it is one integer
-    and nothing else (a final period and spaces allowed), right or wrong.
-
-    The start weights run on after their working ("20 + 13 = 33\\n\\nThis is a classic example"), so the
-    half mark for stopping gives a signal before any reply is a bare number.
-    """
-    return [0.5 * (bool(ids) and ids[-1] == SMOLLM2_EOS) + 0.5 * bool(_ONLY_NUMBER.fullmatch(_reply(c)))
-            for c, ids in zip(completions, completion_ids, strict=True)]
 
 
 # SmolLM2-135M-Instruct with a calculator (train_configs/smollm2_tools_cpu.toml): the product of a

@@ -303,23 +303,22 @@ def _said(text: str) -> list[dict]:
 
 
 @pytest.mark.parametrize(
-    "reply, ids, correct, form",
+    "reply, correct",
     [
-        ("33", [1237, 2], 1.0, 1.0),
-        (" 33.", [1237, 30, 2], 1.0, 1.0),
-        ("20 + 13 = 33", [34, 32, 2], 1.0, 0.5),  # working shown: right, half the format mark for stopping
-        ("20 + 13 = 33\n\nThis is a classic example", [34, 32, 198], 1.0, 0.0),  # cut at max_new_tokens
-        ("32", [1237, 2], 0.0, 1.0),
-        ("The answer is 33, not 32", [504, 2], 0.0, 0.5),  # the last number counts
-        ("thirty-three", [504, 2], 0.0, 0.5),
-        ("", [2], 0.0, 0.5),
+        ("33", 1.0),
+        (" 33.", 1.0),
+        ("20 + 13 = 33", 1.0),  # working shown
+        ("20 + 13 = 33\n\nThis is a classic example of 2", 0.0),  # ran on: the last number counts
+        ("32", 0.0),  # a bare wrong number earns nothing
+        ("The answer is 33, not 32", 0.0),
+        ("thirty-three", 0.0),
+        ("", 0.0),
     ],
 )
-def test_sum_rewards(reply, ids, correct, form):
+def test_sum_correct_pays_the_right_last_number_only(reply, correct):
     prompts = [example.sum_question(20, 13)]
-    assert example.sum_correct(prompts, [_said(reply)], [ids], answer=[33]) == [correct]
-    assert example.sum_format(prompts, [_said(reply)], [ids], answer=[33]) == [form]
-    assert example.sum_correct([prompts[0][0]["content"]], [reply], [ids], answer=[33]) == [correct]  # plain text too
+    assert example.sum_correct(prompts, [_said(reply)], [[1237, 2]], answer=[33]) == [correct]
+    assert example.sum_correct([prompts[0][0]["content"]], [reply], [[1237, 2]], answer=[33]) == [correct]  # text too
 
 
 def test_committed_sum_prompts_are_disjoint_and_match_the_script(tmp_path):
@@ -340,7 +339,7 @@ def test_smollm2_online_config_names_the_sum_rewards_and_files():
 
     job = ConfigManager().parse_args(["--job.config_file", str(REPO / "train_configs/smollm2_online_cpu.toml")])
     fns = load_reward_fns(job.online.reward_funcs, job.online.reward_weights)
-    assert [(f.fn, f.weight) for f in fns] == [(example.sum_correct, 1.0), (example.sum_format, 0.25)]
+    assert [(f.fn, f.weight) for f in fns] == [(example.sum_correct, 1.0)]
     assert job.online.stop_token_ids == [example.SMOLLM2_EOS]
     assert (REPO / job.training.dataset_path).is_file() and (REPO / job.validation.dataset_path).is_file()
 
