@@ -153,19 +153,86 @@ def torchrun(nproc: int, *args: str, config: str = CONFIG) -> float:
     return time.perf_counter() - start
 
 
-def online(out: Path, steps: int, every: int, results: Path) -> None:
-    """The online example from scratch: warm-up, online GRPO, held-out accuracy of every checkpoint."""
-    warm, run = out / "warmup", out / "online"
+def warm_start(out: Path) -> tuple[Path, float]:
+    """The warm-up's last checkpoint (online_warmup_cpu.toml, seed 0 as the test's) and its seconds (0: reused)."""
+    warm = out / "warmup"
     start = warm / "checkpoint" / "step-60"  # online_warmup_cpu.toml's steps
     warm_s = 0.0 if start.exists() else torchrun(2, "--job.dump_folder", str(warm),
                                                   config="train_configs/online_warmup_cpu.toml")
+    return start, warm_s
+
+
+def online_run(start: Path, run: Path, steps: int, every: int, seed: int = 0) -> tuple[dict, dict, float]:
+    """Online GRPO from the warm-up's weights with --debug.seed `seed`: held-out accuracy of every checkpoint
+    (step 0: the warm-up's), the train reward per step, and the run's seconds."""
     shutil.rmtree(run, ignore_errors=True)  # a checkpoint left there would be resumed from
     online_s = torchrun(2, "--job.dump_folder", str(run), "--training.steps", str(steps),
                         "--checkpoint.initial_load_path", str(start), "--checkpoint.interval", str(every),
-                        config="train_configs/online_cpu.toml")
+                        "--debug.seed", str(seed), config="train_configs/online_cpu.toml")
     checkpoints = {0: start, **{s: run / "checkpoint" / f"step-{s}" for s in range(every, steps + 1, every)}}
     accuracy = {s: heldout_accuracy(load_policy(c, max_seq_len=32)) for s, c in checkpoints.items()}
     rewards = {s: tags["grpo/reward_mean"] for s, tags in read_scalars(run).items()}
+    return accuracy, rewards, online_s
+
+
+def offline_run(out: Path, steps: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """debug_cpu.toml from a seed checkpoint, both with --debug.seed `seed` (the init and the data order):
+    the held-out margins of the seed weights and of the trained ones (runs found in `out` are reused)."""
+    seeds = ("--debug.seed", str(seed))
+    init, run = out / "seed", out / "run"
+    if not (init / "checkpoint" / "step-0").exists():
+        torchrun(1, "--job.dump_folder", str(init), "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
+                 "--parallelism.tensor_parallel_degree", "1", *seeds)
+    if not (run / "checkpoint" / f"step-{steps}").exists():
+        torchrun(2, "--job.dump_folder", str(run), "--training.steps", str(steps), "--checkpoint.enable",
+                 "--checkpoint.initial_load_path", str(init / "checkpoint" / "step-0"),
+                 "--checkpoint.interval", "1000", *seeds)
+    return heldout_margins(load_policy(init / "checkpoint" / "step-0")), \
+        heldout_margins(load_policy(run / "checkpoint" / f"step-{steps}"))
+
+
+def over_seeds(args) -> None:
+    """The tests' learning checks (tests/test_learning.py) over --seeds: one CSV line per seed, and the spread.
+
+    Offline: debug_cpu.toml for --steps (40), seed checkpoint and run both with the seed; also the largest
+    grpo/kl of the run (the test bounds it). Online (--online):
+    the warm-up once (seed 0), then online_cpu.toml for --steps (25) with each seed, scored at its end.
+    """
+    out, results = Path(args.out_dir), Path(args.results)
+    results.mkdir(parents=True, exist_ok=True)
+    rows = []
+    if args.online:
+        steps = args.steps or 25
+        start, _ = warm_start(out)
+        for seed in args.seeds:
+            t0 = time.perf_counter()
+            accuracy, _, _ = online_run(start, out / f"online-seed{seed}", steps, steps, seed)
+            a, b = accuracy[0], accuracy[steps]
+            rows.append(dict(seed=seed, steps=steps, greedy_before=a["greedy"], greedy_after=b["greedy"],
+                             sampled_before=a["sampled"], sampled_after=b["sampled"],
+                             greedy_rise=b["greedy"] - a["greedy"], sampled_rise=b["sampled"] - a["sampled"],
+                             wall_s=time.perf_counter() - t0))
+            print(json.dumps(rows[-1]), flush=True)
+        name = "online_learning_seeds.csv"
+    else:
+        steps = args.steps or 40
+        for seed in args.seeds:
+            t0 = time.perf_counter()
+            before, after = offline_run(out / f"seed{seed}", steps, seed)
+            kl = [tags["grpo/kl"] for tags in read_scalars(out / f"seed{seed}" / "run").values()]
+            rows.append(dict(seed=seed, steps=steps, margin_before=before.mean(), margin_after=after.mean(),
+                             margin_rise=after.mean() - before.mean(), groups_rose=float((after > before).mean()),
+                             kl_max=max(kl), wall_s=time.perf_counter() - t0))
+            print(json.dumps(rows[-1]), flush=True)
+        name = "learning_signal_seeds.csv"
+    rows = [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in rows]
+    print(results_md.write_csv(results / name, rows, list(rows[0])).read_text())
+
+
+def online(out: Path, steps: int, every: int, results: Path) -> None:
+    """The online example from scratch: warm-up, online GRPO, held-out accuracy of every checkpoint."""
+    start, warm_s = warm_start(out)
+    accuracy, rewards, online_s = online_run(start, out / "online", steps, every)
 
     results.mkdir(parents=True, exist_ok=True)
     with open(results / "online_learning.csv", "w", newline="") as f:
@@ -220,7 +287,12 @@ def main() -> None:
     parser.add_argument("--online", action="store_true", help="the online example: warm-up, then --steps online steps")
     parser.add_argument("--every", type=int, default=25, help="online: a checkpoint and its accuracy every N steps")
     parser.add_argument("--results", default=str(RESULTS), help="where the CSV and PNG go")
+    parser.add_argument("--seeds", type=int, nargs="+",
+                        help="the test's check once per --debug.seed: <name>_seeds.csv, the rise per seed")
     args = parser.parse_args()
+    if args.seeds:
+        over_seeds(args)
+        return
     if args.online:
         online(Path(args.out_dir), args.steps or 100, args.every, Path(args.results))
         return
@@ -232,17 +304,7 @@ def main() -> None:
                                               args.temperature) for c in args.accuracy}))
         return
     args.steps = args.steps or 40
-    out = Path(args.out_dir)
-    seed, run = out / "seed", out / "run"
-    if not (seed / "checkpoint" / "step-0").exists():
-        torchrun(1, "--job.dump_folder", str(seed), "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
-                 "--parallelism.tensor_parallel_degree", "1")
-    if not (run / "checkpoint" / f"step-{args.steps}").exists():
-        torchrun(2, "--job.dump_folder", str(run), "--training.steps", str(args.steps), "--checkpoint.enable",
-                 "--checkpoint.initial_load_path", str(seed / "checkpoint" / "step-0"),
-                 "--checkpoint.interval", "1000")
-    before = heldout_margins(load_policy(seed / "checkpoint" / "step-0"))
-    after = heldout_margins(load_policy(run / "checkpoint" / f"step-{args.steps}"))
+    before, after = offline_run(Path(args.out_dir), args.steps)
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     with open(RESULTS / "learning_signal.csv", "w", newline="") as f:

@@ -64,6 +64,32 @@ def smollm2_learning(rows):
             for r in rows if r["transformers_accuracy"] or r["run_eval_accuracy"]]
 
 
+def over_seeds(figures: dict[str, str], points: bool, largest: tuple[str, str] | None = None):
+    """Rows -> a line per seed with each figure's before, after and rise, then their mean ± sd over seeds and
+    the smallest rise. `figures`: CSV key -> header; `points`: shares shown in %, rises in points;
+    `largest`: (CSV key, header) of one more column whose largest value over seeds is shown."""
+    def show(v: float, rise: bool) -> str:
+        return (f"{100 * v:+.1f} pt" if rise else f"{v:.1%}") if points else f"{v:+.2f}"
+
+    def summary(rows):
+        parts = [(key, label, part) for key, label in figures.items() for part in ("before", "after", "rise")]
+        value = lambda r, key, part: float(r[f"{key}_{part}"])  # noqa: E731
+        out = [{"seed": r["seed"], **{f"{label} {part}": show(value(r, key, part), part == "rise")
+                                      for key, label, part in parts}} for r in rows]
+        out.append({"seed": "mean ± sd", **{
+            f"{label} {part}": f"{show(statistics.mean(v), part == 'rise')} ± {show(statistics.stdev(v), part == 'rise').lstrip('+')}"
+            for key, label, part in parts if len(v := [value(r, key, part) for r in rows]) > 1}})
+        out.append({"seed": "smallest", **{f"{label} {part}": show(min(value(r, key, part) for r in rows), True)
+                                           if part == "rise" else "" for key, label, part in parts}})
+        if largest:
+            key, header = largest
+            for line, r in zip(out, rows):
+                line[header] = f"{float(r[key]):.2f}"
+            out[-2][header], out[-1][header] = "", f"largest {max(float(r[key]) for r in rows):.2f}"
+        return out
+    return summary
+
+
 def memory_soak(rows, warmup=500):
     from memory_soak import summarize, typed  # this folder
 
@@ -116,9 +142,13 @@ TABLES = {
         "workload", "engine", ("batch", "B"), "prompt_len", "group", "new_tokens", "cpu_s", "mean_length",
         ("tokens_per_cpu_s", "tok/CPU-s"), ("ours_vs_transformers", "ours / transformers"))),
     "learning_signal": ("learning_signal.py", learning_signal),
+    "learning_signal_seeds": ("learning_signal.py --seeds", over_seeds(
+        {"margin": "mean margin (nats)"}, points=False, largest=("kl_max", "largest grpo/kl"))),
     "logprob_memory": ("logprob_memory.py", logprob_memory),
     "memory_soak": ("memory_soak.py", memory_soak),
     "online_learning": ("learning_signal.py --online", online_learning),
+    "online_learning_seeds": ("learning_signal.py --online --seeds", over_seeds(
+        {"greedy": "greedy exact match", "sampled": "sampled"}, points=True)),
     "padding_free": ("padding_free.py", padding_free),
     "reference_offload": ("reference_offload.py", None),
     "rollout_scale": ("rollout_scale.py", columns(

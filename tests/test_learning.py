@@ -17,11 +17,14 @@ import pytest
 from conftest import CONFIG, REPO, check, scalars, torchrun, train
 
 STEPS = 40  # debug_cpu.toml's own [training] steps, TP=2 on 2 ranks
-# Observed (seed 0): the held-out margin, mean over groups of mean log p(reward-1 completions)
-# - mean log p(reward-0 completions), went from +1.38 to +14.57 nats: a rise of 13.2.
-MIN_RISE = 6.0  # nats, under half the observed rise
-# Observed: grpo/kl rises to 6.0 per token by step 40 (the reference is the random init).
-KL_MAX = 8.0
+# The held-out margin, mean over groups of mean log p(reward-1 completions) - mean log p(reward-0
+# completions), over 5 seeds (each its own init and data order; `benchmarks/learning_signal.py --seeds
+# 0 1 2 3 4`, learning_signal_seeds.csv): it rose by 11.63 nats, sd 0.99, the smallest rise 10.67
+# (seed 1); the test's seed 0 rose 13.19, from +1.38 to +14.57.
+MIN_RISE = 6.0  # nats: under 0.6x the smallest rise over seeds, 5.6 sds under their mean
+# grpo/kl grows over the run (the reference is the random init): its largest value over the 5 seeds
+# was 5.98-7.69 nats a token.
+KL_MAX = 12.0  # about 1.5x the largest over seeds
 
 
 def heldout_margins(*checkpoints):
@@ -62,10 +65,12 @@ def test_resume_continues_at_the_same_row(tmp_path_factory, seed_checkpoint):
 
 
 # The online example (train_configs/online_warmup_cpu.toml, then online_cpu.toml), shortened to 25
-# online steps. Observed (seed 0): held-out greedy exact match 30.9% -> 40.2%, sampled at temperature
-# 1 21.5% -> 31.5%; after 100 steps 41.4% and 34.8% (benchmarks/learning_signal.py --online).
+# online steps. Over 5 seeds of the online run (its prompt order and every sampling key; the warm-up is
+# the test's; `benchmarks/learning_signal.py --online --seeds 0 1 2 3 4`, online_learning_seeds.csv),
+# held-out exact match rose from 31.2% by 6.2 points greedy (sd 0.8, smallest 5.5) and from 21.2% by 5.1
+# points sampled at temperature 1 (sd 1.0, smallest 3.5); the test's seed 0 by 5.9 and 5.1.
 ONLINE_STEPS = 25
-MIN_POINTS = 0.04  # under half the observed rise of either
+MIN_POINTS = {"greedy": 0.03, "sampled": 0.02}  # under 0.6x the smallest rise over seeds, 3 sds under the mean
 
 
 @pytest.mark.slow
@@ -82,7 +87,7 @@ def test_online_grpo_raises_heldout_exact_match(tmp_path_factory):
     assert proc.returncode == 0, proc.stderr[-4000:]
     accuracy = json.loads(proc.stdout.strip().splitlines()[-1])
     before, after = accuracy[str(start)], accuracy[str(end)]
-    for key in ("greedy", "sampled"):
-        assert after[key] - before[key] >= MIN_POINTS, (key, before, after)
+    for key, points in MIN_POINTS.items():
+        assert after[key] - before[key] >= points, (key, before, after)
     rewards = scalars(run)["grpo/reward_mean"]
     assert len(rewards) == ONLINE_STEPS and 0 < min(rewards) and max(rewards) < 1, rewards
