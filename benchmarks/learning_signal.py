@@ -194,9 +194,9 @@ def offline_run(out: Path, steps: int, seed: int = 0) -> tuple[np.ndarray, np.nd
 def over_seeds(args) -> None:
     """The tests' learning checks (tests/test_learning.py) over --seeds: one CSV line per seed, and the spread.
 
-    Offline: debug_cpu.toml for --steps (40), seed checkpoint and run both with the seed; also the largest
-    grpo/kl of the run (the test bounds it). Online (--online):
-    the warm-up once (seed 0), then online_cpu.toml for --steps (25) with each seed, scored at its end.
+    Offline: debug_cpu.toml for --steps (40), seed checkpoint and run both with the seed, and the run's
+    largest grpo/kl (the test bounds it). Online (--online): the warm-up once (seed 0), then online_cpu.toml
+    for --steps (25) with each seed, scored at its end.
     """
     out, results = Path(args.out_dir), Path(args.results)
     results.mkdir(parents=True, exist_ok=True)

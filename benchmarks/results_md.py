@@ -67,25 +67,22 @@ def smollm2_learning(rows):
 def over_seeds(figures: dict[str, str], points: bool, largest: tuple[str, str] | None = None):
     """Rows -> a line per seed with each figure's before, after and rise, then their mean ± sd over seeds and
     the smallest rise. `figures`: CSV key -> header; `points`: shares shown in %, rises in points;
-    `largest`: (CSV key, header) of one more column whose largest value over seeds is shown."""
+    `largest`: (CSV key, header) of one more column, shown per seed and as its largest over seeds."""
     def show(v: float, rise: bool) -> str:
         return (f"{100 * v:+.1f} pt" if rise else f"{v:.1%}") if points else f"{v:+.2f}"
 
     def summary(rows):
-        parts = [(key, label, part) for key, label in figures.items() for part in ("before", "after", "rise")]
-        value = lambda r, key, part: float(r[f"{key}_{part}"])  # noqa: E731
-        out = [{"seed": r["seed"], **{f"{label} {part}": show(value(r, key, part), part == "rise")
-                                      for key, label, part in parts}} for r in rows]
+        parts = [(f"{key}_{part}", f"{label} {part}", part == "rise")
+                 for key, label in figures.items() for part in ("before", "after", "rise")]
+        extra = [largest] if largest else []
+        column = lambda key: [float(r[key]) for r in rows]  # noqa: E731
+        out = [{"seed": r["seed"], **{h: show(float(r[k]), rise) for k, h, rise in parts},
+                **{h: f"{float(r[k]):.2f}" for k, h in extra}} for r in rows]
         out.append({"seed": "mean ± sd", **{
-            f"{label} {part}": f"{show(statistics.mean(v), part == 'rise')} ± {show(statistics.stdev(v), part == 'rise').lstrip('+')}"
-            for key, label, part in parts if len(v := [value(r, key, part) for r in rows]) > 1}})
-        out.append({"seed": "smallest", **{f"{label} {part}": show(min(value(r, key, part) for r in rows), True)
-                                           if part == "rise" else "" for key, label, part in parts}})
-        if largest:
-            key, header = largest
-            for line, r in zip(out, rows):
-                line[header] = f"{float(r[key]):.2f}"
-            out[-2][header], out[-1][header] = "", f"largest {max(float(r[key]) for r in rows):.2f}"
+            h: f"{show(statistics.mean(column(k)), rise)} ± {show(statistics.stdev(column(k)), rise).lstrip('+')}"
+            for k, h, rise in parts}, **{h: "" for k, h in extra}})
+        out.append({"seed": "smallest", **{h: show(min(column(k)), True) if rise else "" for k, h, rise in parts},
+                    **{h: f"largest {max(column(k)):.2f}" for k, h in extra}})
         return out
     return summary
 

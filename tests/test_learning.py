@@ -70,7 +70,7 @@ def test_resume_continues_at_the_same_row(tmp_path_factory, seed_checkpoint):
 # held-out exact match rose from 31.2% by 6.2 points greedy (sd 0.8, smallest 5.5) and from 21.2% by 5.1
 # points sampled at temperature 1 (sd 1.0, smallest 3.5); the test's seed 0 by 5.9 and 5.1.
 ONLINE_STEPS = 25
-MIN_POINTS = {"greedy": 0.03, "sampled": 0.02}  # under 0.6x the smallest rise over seeds, 3 sds under the mean
+MIN_POINTS = {"greedy": 0.03, "sampled": 0.02}  # under 0.6x the smallest rise over seeds, 3-4 sds under the mean
 
 
 @pytest.mark.slow
