@@ -2,10 +2,13 @@
 builder and the bundled config come from benchmarks/harness.py, which the benchmarks use too."""
 
 import gc
+import glob
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 
@@ -79,25 +82,38 @@ def ranks_result(tmp_path_factory, name: str, world_size: int, fn, *args):
 
 
 def torchrun(nproc: int, config: str, *overrides: str, env: dict | None = None, timeout: int = 600):
-    """Launch torchtitan's own train.py under torchrun from the repo root; returns the CompletedProcess."""
+    """Launch torchtitan's own train.py under torchrun from the repo root; returns the CompletedProcess.
+
+    stdout and stderr are rank 0's; the other ranks write theirs to files, which `check` shows when
+    the launch failed (a rank can fail on its own: CI once saw rank 1 abort while rank 0 was fine).
+    """
+    logs = tempfile.mkdtemp(prefix="torchrun-logs-")
+    others = ",".join(f"{r}:3" for r in range(1, nproc))
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
         "--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0", "--local-ranks-filter=0",
+        "--log-dir", logs, *(["--redirects", others] if others else []),
         "-m", "torchtitan.train", "--job.config_file", config, *overrides,
     ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+        proc.other_ranks = {int(Path(f).parent.name): Path(f).read_text(errors="replace")
+                            for f in glob.glob(os.path.join(logs, "*", "attempt_*", "*", "stderr.log"))}
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
+    return proc
 
 
 def check(proc) -> None:
-    """Fail with the run's output tail when a torchrun launch failed."""
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    """Fail with the run's output tail, and the other ranks' stderr tails, when a torchrun launch failed."""
+    others = "".join(f"\n--- rank {r}'s stderr ---\n{text[-8000:]}"
+                     for r, text in sorted(getattr(proc, "other_ranks", {}).items()))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:] + others
 
 
 def scalars_by_step(dump: Path) -> dict[str, dict[int, float]]:
     """TensorBoard scalars of every launch in a run's dump folder: tag -> {step: value}."""
-    import glob
-
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out: dict[str, dict[int, float]] = {}

@@ -269,6 +269,25 @@ def test_the_metrics_processor_gets_the_jobs_statistics(monkeypatch):
     assert built == {"stats": job.stats, "online": job.online_stats} and GRPOJob.of(cfg) is job
 
 
+def test_ranks_leave_together_after_a_run_that_ended_well_only(monkeypatch):
+    """Trainer.close meets the other ranks at a barrier after a good run; while an error propagates, a peer may be
+    gone, so it does not wait for them."""
+    import torch.distributed as dist
+
+    from plugin.runtime.metrics import leave_together
+
+    barriers = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "barrier", lambda *a, **kw: barriers.append("ok"))
+    leave_together()
+    assert barriers == ["ok"]
+    try:
+        raise RuntimeError("a failed step")
+    except RuntimeError:
+        leave_together()  # as torchtitan's main calls Trainer.close in its `except` block
+    assert barriers == ["ok"]
+
+
 # --- mask_truncated_completions ---------------------------------------------------------------------
 
 def trl_aggregate(per_token_loss, completion_mask, loss_type, max_completion_length):

@@ -1,8 +1,10 @@
 """The GRPO metrics processor: torchtitan's, plus the job's grpo/* and online/* statistics (plugin.runtime.stats)."""
 
+import sys
 import time
 
 import torch
+import torch.distributed as dist
 from torchtitan.components.metrics import MetricsProcessor
 
 from plugin.job import GRPOJob
@@ -59,6 +61,23 @@ class GRPOMetricsProcessor(MetricsProcessor):
         # Trainer.close closes the checkpointer first: a last_save_in_hf export is complete on disk here
         complete_hf_export(self.job_config)
         super().close()
+        leave_together()
+
+
+def leave_together() -> None:
+    """After a run that ended well, every rank waits for the others before torchtitan tears the process groups down.
+
+    torchtitan's main lets rank 0 sleep 2 s after the last step while the other ranks destroy their
+    groups and exit at once. CI (2 loaded CPU cores, gloo) has seen such a rank abort there, rarely,
+    after its work was done (SIGABRT), as the in-process test ranks did (tests/conftest.py). The
+    likely cause: a gloo worker thread drops the last reference to a collective's tensor while the
+    interpreter shuts down, and freeing a tensor whose Python object outlived it takes the GIL,
+    which then ends the thread in a C++ terminate. The barrier's round trip gives those threads
+    time to finish, and the ranks leave together.
+    Trainer.close also runs while an error propagates; a peer may be gone then, so no barrier.
+    """
+    if dist.is_initialized() and sys.exc_info()[1] is None:
+        dist.barrier()
 
 
 def build_grpo_metrics_processor(job_config, parallel_dims, model_args=None, tag=None):
