@@ -39,8 +39,8 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, fn, args, errors) -> None:
-    # a rank that crashes in C++ (a full run here saw one SIGSEGV in the TP=2 sampler fixture) prints every thread's Python
-    # stack to the test's captured stderr, as torchrun's workers do
+    # a rank that crashes in C++ (a full run here saw one SIGSEGV in the TP=2 sampler fixture) prints
+    # every thread's Python stack to the test's captured stderr, as torchrun's workers do
     faulthandler.enable()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
