@@ -24,13 +24,18 @@ import results_md  # benchmarks/, the script's folder
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_fused import _grad_errors  # noqa: E402  the test's computation, at the benchmark's shape
-
-from plugin.scoring.logprobs import Scoring  # noqa: E402
+# CSV name prefix -> how results_md shows it (docs/generate.py reads this too)
+TABLES = {"fused_precision": dict(script="fused_precision.py", pick=results_md.columns(
+    "path", ("dh_error", "dL/dh error"), ("dw_error", "dL/dW error")))}
 
 
 def main() -> None:
+    # imported here, so that docs/generate.py can import TABLES without pytest and the tests' folder
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from test_fused import _grad_errors  # the test's computation, at the benchmark's shape
+
+    from plugin.scoring.logprobs import Scoring
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--vocab", type=int, default=151_936)
     p.add_argument("--tokens", type=int, default=2048)
@@ -61,7 +66,7 @@ def main() -> None:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    print(f"wrote {path} and {results_md.write(path)}")
+    print(f"wrote {path} and {results_md.write(path, **TABLES['fused_precision'])}")
 
 
 if __name__ == "__main__":

@@ -43,6 +43,15 @@ REPO = Path(__file__).resolve().parents[1]
 COLUMNS = ("workload", "engine", "device", "dtype", "layers", "threads", "batch", "prompt_len", "group", "new_tokens",
            "cpu_s", "wall_s", "generated_tokens", "mean_length", "tokens_per_cpu_s", "tokens_per_s",
            "ours_vs_transformers")
+# CSV name prefix -> how results_md shows it (docs/generate.py reads this too)
+TABLES = {
+    "generation_vs_transformers": dict(script="generation_vs_transformers.py", pick=results_md.columns(
+        "workload", "engine", ("batch", "B"), "prompt_len", "group", "new_tokens", "cpu_s", "mean_length",
+        ("tokens_per_cpu_s", "tok/CPU-s"), ("ours_vs_transformers", "ours / transformers"))),
+    "generation_profile": dict(script="generation_vs_transformers.py", pick=results_md.columns(
+        "batch", "new_tokens", "model_layers", "layers", "output", "sampling", "rest", "decode_cpu_s",
+        "prefill_cpu_s")),
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -298,7 +307,7 @@ def main(argv=None) -> None:
             writer = csv.DictWriter(f, fieldnames=COLUMNS)
             writer.writeheader()
             writer.writerows(rows)
-        results_md.write(path)
+        results_md.write(path, **TABLES["generation_vs_transformers"])
 
     def warm_up():
         prompt = [torch.randint(0, vocab, (8,), generator=g).tolist()]
@@ -358,7 +367,7 @@ def main(argv=None) -> None:
             writer = csv.DictWriter(f, fieldnames=["batch", "new_tokens", "model_layers", *shares])
             writer.writeheader()
             writer.writerow(dict(batch=B, new_tokens=N, model_layers=args.layers, **{k: round(v, 3) for k, v in shares.items()}))
-        results_md.write(out / "generation_profile.csv")
+        results_md.write(out / "generation_profile.csv", **TABLES["generation_profile"])
         print(f"profile, B={B}, {N} new tokens, decode steps: " + ", ".join(f"{k} {v:.3f}" for k, v in shares.items()))
 
 

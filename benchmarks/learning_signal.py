@@ -28,6 +28,7 @@ import csv
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -46,6 +47,39 @@ CONFIG = "train_configs/debug_cpu.toml"
 HELDOUT = REPO / "data" / "arith_heldout.jsonl"
 COMPARE_HELDOUT = REPO / "data" / "compare_heldout.jsonl"  # the online example's held-out prompts
 SEQ_LEN = 16  # debug_cpu.toml's [training] seq_len
+
+
+def table_rows(rows: list[dict]) -> list[dict]:
+    """learning_signal.csv's margins per group as their mean, median and the share of groups that rose."""
+    before = [float(r["margin_before"]) for r in rows]
+    after = [float(r["margin_after"]) for r in rows]
+    return [
+        {f"{len(rows)} held-out groups": "mean margin (nats)", "before": f"{statistics.mean(before):+.2f}",
+         "after": f"{statistics.mean(after):+.2f}"},
+        {f"{len(rows)} held-out groups": "median margin (nats)", "before": f"{statistics.median(before):+.2f}",
+         "after": f"{statistics.median(after):+.2f}"},
+        {f"{len(rows)} held-out groups": "groups whose margin rose", "before": "",
+         "after": f"{sum(a > b for a, b in zip(after, before)) / len(rows):.0%}"},
+    ]
+
+
+def online_table_rows(rows: list[dict]) -> list[dict]:
+    """online_learning.csv's steps that have a held-out accuracy."""
+    return [{"online step": r["step"], "greedy exact match": results_md.pct(r["heldout_greedy"]),
+             "sampled (temperature 1)": results_md.pct(r["heldout_sampled"]),
+             "prompts with mixed draws": results_md.pct(r["heldout_mixed"])}
+            for r in rows if r["heldout_greedy"]]
+
+
+# CSV name prefix -> how results_md shows it (docs/generate.py reads this too)
+TABLES = {
+    "learning_signal": dict(script="learning_signal.py", pick=table_rows),
+    "learning_signal_seeds": dict(script="learning_signal.py --seeds", pick=results_md.over_seeds(
+        {"margin": "mean margin (nats)"}, points=False, largest=("kl_max", "largest grpo/kl"))),
+    "online_learning": dict(script="learning_signal.py --online", pick=online_table_rows),
+    "online_learning_seeds": dict(script="learning_signal.py --online --seeds", pick=results_md.over_seeds(
+        {"greedy": "greedy exact match", "sampled": "sampled"}, points=True)),
+}
 
 
 def load_policy(checkpoint: Path, max_seq_len: int = SEQ_LEN) -> torch.nn.Module:
@@ -213,7 +247,7 @@ def over_seeds(args) -> None:
                              greedy_rise=b["greedy"] - a["greedy"], sampled_rise=b["sampled"] - a["sampled"],
                              wall_s=time.perf_counter() - t0))
             print(json.dumps(rows[-1]), flush=True)
-        name = "online_learning_seeds.csv"
+        name = "online_learning_seeds"
     else:
         steps = args.steps or 40
         for seed in args.seeds:
@@ -224,9 +258,9 @@ def over_seeds(args) -> None:
                              margin_rise=after.mean() - before.mean(), groups_rose=float((after > before).mean()),
                              kl_max=max(kl), wall_s=time.perf_counter() - t0))
             print(json.dumps(rows[-1]), flush=True)
-        name = "learning_signal_seeds.csv"
+        name = "learning_signal_seeds"
     rows = [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in rows]
-    print(results_md.write_csv(results / name, rows, list(rows[0])).read_text())
+    print(results_md.write_csv(results / f"{name}.csv", rows, list(rows[0]), **TABLES[name]).read_text())
 
 
 def online(out: Path, steps: int, every: int, results: Path) -> None:
@@ -242,7 +276,7 @@ def online(out: Path, steps: int, every: int, results: Path) -> None:
             a = accuracy.get(s, {})
             writer.writerow([s, round(rewards[s], 4) if s in rewards else "",
                              *(round(a[k], 4) if a else "" for k in ("greedy", "sampled", "mixed"))])
-    results_md.write(results / "online_learning.csv")
+    results_md.write(results / "online_learning.csv", **TABLES["online_learning"])
 
     import matplotlib
 
@@ -311,7 +345,7 @@ def main() -> None:
         writer = csv.writer(f)
         writer.writerow(["group", "margin_before", "margin_after"])
         writer.writerows([g, round(float(b), 4), round(float(a), 4)] for g, (b, a) in enumerate(zip(before, after)))
-    results_md.write(RESULTS / "learning_signal.csv")
+    results_md.write(RESULTS / "learning_signal.csv", **TABLES["learning_signal"])
 
     import matplotlib
 

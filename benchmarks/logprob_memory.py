@@ -404,8 +404,24 @@ def write_csv(rows: list[dict], path: Path) -> None:
             w.writerow([f"{r[c]:.6g}" if isinstance(r[c], float) else r[c] for c in COLUMNS])
 
 
+def table_rows(rows: list[dict]) -> list[dict]:
+    """The CSV's rows as the short table's: growth in MiB and as a share of the logits shard."""
+    # growth_vs_shard is a ratio; OOM and other failed rows have no figures
+    return [{
+        "variant": r["variant"], "pass": r["pass"], "status": r.get("status", "ok"), "T": r["seq"], "V": r["vocab"],
+        "TP": r["tp"], "chunk": r["chunk"], "growth (MiB)": results_md.mib(r["growth_gib"]),
+        "growth / logits shard": results_md.share(r["growth_vs_shard"]),
+        "CPU s": f"{float(r['cpu_s']):.2f}" if r["cpu_s"] else "",
+        "max abs diff vs gather": r["max_abs_diff_vs_gather"],
+    } for r in rows]
+
+
+# CSV name prefix -> how results_md shows it (docs/generate.py reads this too)
+TABLES = {"logprob_memory": dict(script="logprob_memory.py", pick=table_rows)}
+
+
 def markdown(rows: list[dict], args) -> str:
-    """A Markdown table of every figure, one row per measurement (printed; results_md writes the short one)."""
+    """A Markdown table of every figure, one row per measurement (printed; `table_rows` is the short one)."""
     swept = ["T"] if args.sweep_seq else ["chunk"] if args.sweep_chunk else []
     lines = [
         f"{args.device}, B={args.batch}, " + ("" if args.sweep_seq else f"T={args.seq}, ")
@@ -528,7 +544,7 @@ def main() -> int | None:
                     rows[-1]["x"] = seq if args.sweep_seq else chunk
         add_diffs(rows)
     write_csv(rows, out / f"{stem}.csv")
-    results_md.write(out / f"{stem}.csv")
+    results_md.write(out / f"{stem}.csv", **TABLES["logprob_memory"])
     (plot_sweep if args.sweep_seq or args.sweep_chunk else plot_variants)(rows, out / f"{stem}.png", args)
     print(markdown(rows, args))
     print(f"\nwrote {out / stem}.csv and .png in {time.perf_counter() - start:.0f} s", file=sys.stderr)

@@ -275,6 +275,19 @@ def table(summary: list[dict], warmup: int) -> str:
     return "\n".join(lines)
 
 
+def table_rows(rows: list[dict], warmup: int = 500) -> list[dict]:
+    """The CSV's samples as the short table's rows: per rank, VmRSS at three steps and the slopes from `warmup`."""
+    return [{"rank": s["rank"], "VmRSS at step 1 / 500 / last (MiB)":
+             f"{s['rss_first']:.1f} / {s['rss_warm']:.1f} / {s['rss_last']:.1f} (step {s['last_step']})",
+             "VmRSS slope from step 500 (MiB / 1,000 steps)": f"{s['rss_slope']:+.2f} ± {s['rss_se']:.2f}",
+             "window-max slope": f"{s['win_max_slope']:+.2f} ± {s['win_max_se']:.2f}"}
+            for s in summarize(typed(rows), warmup)]
+
+
+# CSV name prefix -> how results_md shows it (docs/generate.py reads this too)
+TABLES = {"memory_soak": dict(script="memory_soak.py", pick=table_rows)}
+
+
 def plot(samples: list[dict], summary: list[dict], warmup: int, window: int, title: str, out: Path) -> None:
     import matplotlib
 
@@ -356,7 +369,7 @@ def main(argv=None) -> int:
             w = csv.DictWriter(f, fieldnames=cols)
             w.writeheader()
             w.writerows(samples)
-        results_md.write(csv_path)
+        results_md.write(csv_path, **TABLES["memory_soak"])
         if failed:
             print("[soak] the job failed; its output's tail:\n" + "".join(soak.tail), file=sys.stderr)
     print(f"\n[soak] stopped by: {stopped_by}; last step {last_step} of {args.steps}; {minutes:.1f} min; "

@@ -261,7 +261,7 @@ def summary(rows: list[dict]) -> list[dict]:
 
 
 def table_rows(rows: list[dict]) -> list[dict]:
-    """The Markdown table's rows (benchmarks/results_md.py renders them)."""
+    """The Markdown table's rows: per shape and spread, the medians over rounds."""
     out = []
     for t in summary(rows):
         online = t["spread"] == "online"  # the whole step, generation included
@@ -272,6 +272,10 @@ def table_rows(rows: list[dict]) -> list[dict]:
                     "range over rounds": t["ratio_range"],
                     "peak memory, padding-free / padded": "-" if online else f"{t['peak_memory_ratio']:.2f}"})
     return out
+
+
+# CSV name prefix -> how results_md shows it (docs/generate.py reads this too)
+TABLES = {"padding_free": dict(script="padding_free.py", pick=table_rows)}
 
 
 def plot(table: list[dict], path: Path) -> None:
@@ -312,7 +316,7 @@ def main(argv=None) -> None:
     if args.online_steps:
         rows += online_example(args)
     out = Path(args.out)
-    md = results_md.write_csv(out / "padding_free.csv", rows, COLUMNS)
+    md = results_md.write_csv(out / "padding_free.csv", rows, COLUMNS, **TABLES["padding_free"])
     plot(summary(rows), out / "padding_free.png")
     print(md.read_text())
 

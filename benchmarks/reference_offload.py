@@ -41,6 +41,8 @@ REPO = Path(__file__).resolve().parents[1]
 COLUMNS = ("offload", "status", "ref_weights_gib", "resting_gib", "step_peak_gib", "ref_pass_growth_gib",
            "step_time_s", "detail")
 SETTINGS = {False: "baseline", True: "offload"}  # names for --simulate-oom
+# CSV name prefix -> how results_md shows it (docs/generate.py reads this too)
+TABLES = {"reference_offload": dict(script="reference_offload.py", pick=None)}  # the CSV as it is
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -167,7 +169,7 @@ def main(argv=None) -> int:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
         w.writerows(rows)
-    results_md.write(path)
+    results_md.write(path, **TABLES["reference_offload"])
 
     where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (RSS; offload does nothing)"
     print(f"{args.model} {args.flavor}, batch {args.batch} x seq {args.seq}, {where}")

@@ -113,6 +113,18 @@ def checkpoints(dump: Path) -> dict[int, Path]:
     return {int(p.name.split("-")[1]): p for p in folder.glob("step-*") if p.is_dir()} if folder.exists() else {}
 
 
+def table_rows(rows: list[dict]) -> list[dict]:
+    """The steps that were scored: accuracy by transformers' greedy replies and by the run's own evaluation."""
+    return [{"step": r["step"], "transformers greedy, last number right": results_md.pct(r["transformers_accuracy"]),
+             "the run's own greedy evaluation": results_md.pct(r["run_eval_accuracy"]),
+             "bare-number replies": results_md.pct(r["transformers_bare_number"] or r["run_eval_bare_number"])}
+            for r in rows if r["transformers_accuracy"] or r["run_eval_accuracy"]]
+
+
+# CSV name prefix -> how results_md shows it (docs/generate.py reads this too)
+TABLES = {"smollm2_learning": dict(script="smollm2_learning.py", pick=table_rows)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dump", default=str(REPO / "outputs" / "smollm2_online_cpu"), help="the run's dump folder")
@@ -161,7 +173,7 @@ def main() -> None:
                              r(t, "online/truncated_fraction"), r(t, "grpo/entropy"), r(t, "time_metrics/end_to_end(s)"),
                              r(t, "online/generation_time(s)"), r(a, "accuracy"), r(a, "bare_number"),
                              r(e, "accuracy"), r(e, "bare_number")])
-    results_md.write(results / "smollm2_learning.csv")
+    results_md.write(results / "smollm2_learning.csv", **TABLES["smollm2_learning"])
 
     step_s = [t["time_metrics/end_to_end(s)"] for s, t in sorted(tags.items()) if "time_metrics/end_to_end(s)" in t]
     gen_s = [t["online/generation_time(s)"] for s, t in sorted(tags.items()) if "online/generation_time(s)" in t]

@@ -62,6 +62,11 @@ NUMBER = re.compile(r"\d+(?:,\d{3})*")
 COLUMNS = ("model", "step", "prompts", "mode", "replies", "accuracy", "call_rate", "right_call_rate",
            "accuracy_with_call", "accuracy_without_call", "mean_model_tokens", "mean_tool_tokens", "max_tokens",
            "cut", "cpu_s")
+# CSV name prefix -> how results_md shows it (docs/generate.py reads this too)
+TABLES = {"tool_learning": dict(script="tool_learning.py", pick=results_md.columns(
+    "model", "step", "prompts", "mode", "replies", ("accuracy", "right"), ("call_rate", "calls"),
+    ("right_call_rate", "right calls"), ("accuracy_without_call", "right without a call"),
+    ("mean_model_tokens", "model tokens"), ("mean_tool_tokens", "tool tokens"), ("cpu_s", "CPU s")))}
 
 
 def parse_calls(text: str) -> list[dict]:
@@ -283,7 +288,7 @@ def main(argv=None) -> None:
                                   "model_tokens": s["model_tokens"], "tool_tokens": s["tool_tokens"]}) + "\n")
     results = Path(args.results)
     merged = merge_csv(results / "tool_learning.csv", out)
-    results_md.write_csv(results / "tool_learning.csv", merged, COLUMNS)
+    results_md.write_csv(results / "tool_learning.csv", merged, COLUMNS, **TABLES["tool_learning"])
     plot(merged, results / "tool_learning.png")
 
 

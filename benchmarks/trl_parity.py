@@ -291,7 +291,7 @@ def mean_sd(values: list[float]) -> str:
 
 
 def table_rows(rows: list[dict]) -> list[dict]:
-    """Per side and step: mean ± sd over seeds (and the range) of each figure; results_md renders it."""
+    """Per side and step: mean ± sd over seeds (and the range) of each figure."""
     num = lambda v: float(v) if v not in ("", None) else math.nan  # noqa: E731
     out = []
     for side in dict.fromkeys(r["side"] for r in rows):
@@ -328,6 +328,14 @@ def train_table_rows(rows: list[dict], block: int = 10) -> list[dict]:
 def replies_table_rows(rows: list[dict]) -> list[dict]:
     """The replies as one table line each: line breaks shown as ⏎, pipes escaped."""
     return [{**r, "reply": r["reply"].replace("|", "\\|").replace("\n", "⏎")} for r in rows]
+
+
+# CSV name prefix -> how results_md shows it (docs/generate.py reads this too)
+TABLES = {
+    "trl_parity": dict(script="trl_parity.py", pick=table_rows),
+    "trl_parity_train": dict(script="trl_parity.py", pick=train_table_rows),
+    "trl_parity_replies": dict(script="trl_parity.py", pick=replies_table_rows),
+}
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
@@ -419,11 +427,12 @@ def main() -> None:
                        for r, reply in list(zip(sets["harder"], last))[:REPLIES_SHOWN]]
 
     results = Path(args.results)
-    results_md.write_csv(results / "trl_parity.csv", rows, COLUMNS)
+    results_md.write_csv(results / "trl_parity.csv", rows, COLUMNS, **TABLES["trl_parity"])
     results_md.write_csv(results / "trl_parity_train.csv", train_rows,
-                         ["side", "seed", "step", "reward_mean", "correct_mean"])
+                         ["side", "seed", "step", "reward_mean", "correct_mean"], **TABLES["trl_parity_train"])
     results_md.write_csv(results / "trl_parity_replies.csv", reply_rows,
-                         ["side", "seed", "step", "question", "answer", "reply", "right", "bare"])
+                         ["side", "seed", "step", "question", "answer", "reply", "right", "bare"],
+                         **TABLES["trl_parity_replies"])
     plot(rows, results / "trl_parity.png",
          f"SmolLM2-135M-Instruct, {CONFIG}: this project vs TRL's GRPOTrainer\n{len(args.seeds)} seed(s) x "
          f"{args.steps} steps; mean, each seed, and the range over seeds"

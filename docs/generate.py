@@ -1,7 +1,8 @@
 """Regenerates the parts of the docs that come from the code and the benchmarks' results:
 
   docs/reference.md         every TOML key of plugin.config: type, default, allowed values, docstring
-  benchmarks/results/*.md   each results CSV as a short table (benchmarks/results_md.py)
+  benchmarks/results/*.md   each results CSV as a short table: benchmarks/results_md.py formats it as
+                            the benchmark that wrote the CSV says in its `TABLES` (no benchmark runs)
   include blocks            in README.md, benchmarks/README.md and docs/*.md, the lines between
                             `<!-- include: PATH -->` and `<!-- end include -->` become PATH's text
 
@@ -16,6 +17,7 @@ keep at run time, the string under each field and the `_check(...)` constraints 
 import argparse
 import ast
 import dataclasses
+import importlib
 import re
 import sys
 import typing
@@ -26,6 +28,16 @@ sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 
 import results_md  # noqa: E402  benchmarks/
 
+RESULTS = REPO / "benchmarks" / "results"
+# CSV name prefix (the longest matching wins) -> the benchmark that writes it; its `TABLES` say how it is shown
+OWNERS = {
+    "fused_precision": "fused_precision", "generation_profile": "generation_vs_transformers",
+    "generation_speed": "generation_speed", "generation_vs_transformers": "generation_vs_transformers",
+    "learning_signal": "learning_signal", "logprob_memory": "logprob_memory", "memory_soak": "memory_soak",
+    "online_learning": "learning_signal", "padding_free": "padding_free", "reference_offload": "reference_offload",
+    "rollout_scale": "rollout_scale", "smollm2_learning": "smollm2_learning", "step_time": "step_time",
+    "tool_learning": "tool_learning", "trl_parity": "trl_parity",
+}
 REFERENCE = REPO / "docs" / "reference.md"
 CONFIG_SOURCE = REPO / "plugin" / "config.py"
 INCLUDE = re.compile(r"(<!-- include: (\S+) -->\n)(.*?)(<!-- end include -->)", re.S)
@@ -132,9 +144,23 @@ def reference() -> str:
     return "\n".join(lines) + "\n"
 
 
+def _longest(prefixes, stem: str) -> str | None:
+    return max((p for p in prefixes if stem.startswith(p)), key=len, default=None)
+
+
+def results_table(csv: Path) -> str:
+    """A results CSV's Markdown table as the benchmark that wrote it shows it; one no benchmark owns, whole."""
+    owner = _longest(OWNERS, csv.stem)
+    if owner is None:
+        return results_md.table(csv)
+    # imported when a CSV asks for it: a benchmark brings torch and its helpers
+    tables = importlib.import_module(OWNERS[owner]).TABLES
+    return results_md.table(csv, **tables[_longest(tables, csv.stem)])
+
+
 def outputs() -> dict[Path, str]:
     """Every generated file and what it should hold; a page includes the results tables as they will be."""
-    out = {csv.with_suffix(".md"): results_md.table(csv) for csv in sorted(results_md.RESULTS.glob("*.csv"))}
+    out = {csv.with_suffix(".md"): results_table(csv) for csv in sorted(RESULTS.glob("*.csv"))}
     out[REFERENCE] = reference()
 
     def fill(m: re.Match) -> str:
