@@ -10,7 +10,10 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import traceback
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -20,6 +23,7 @@ import torch.multiprocessing as mp
 
 # shared with the benchmarks (benchmarks/harness.py, on the tests' path through pyproject.toml)
 from harness import CONFIG, REPO, build_model, parse_config  # noqa: F401
+from job_status import proc_stats
 
 
 # tests that launch torchtitan's train.py under torchrun (seconds to minutes each); `-m "not slow"` skips them
@@ -32,6 +36,91 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.slow)
 
 
+class LaunchTally:
+    """Seconds and multi-rank launches per test file, printed at the end of every run (docs/architecture.md's table).
+
+    Each test's launches travel in its teardown report's user_properties: torchrun launches wherever they
+    start (conftest's `torchrun`, or a benchmark the test runs as a subprocess), seen by a thread that
+    watches this process's descendants for torchrun agents; spawned gloo groups (`run_ranks`) where they
+    are made.
+    """
+
+    def __init__(self):
+        self.seconds = defaultdict(float)
+        self.launches = defaultdict(lambda: defaultdict(int))  # file -> {"torchrun": n, "spawned": n}
+        self.running = defaultdict(int)  # the running test's launches so far
+        self._seen: set[int] = set()
+        self._thread = None
+
+    def watch(self):
+        if self._thread is None:  # only in a process that runs tests
+            self._thread = threading.Thread(target=self._watch, daemon=True)
+            self._thread.start()
+
+    def _watch(self):
+        me = os.getpid()
+        while True:
+            time.sleep(0.25)
+            parents = {pid: int(fields[1]) for pid, fields in proc_stats().items()}
+            for pid in parents.keys() - self._seen:
+                up = parents.get(pid)
+                while up not in (None, 0, 1, me):
+                    up = parents.get(up)
+                if up != me:
+                    continue
+                try:
+                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                self._seen.add(pid)
+                if b"torch.distributed.run" in cmdline or any(arg.endswith(b"/torchrun") for arg in cmdline[:2]):
+                    self.running["torchrun"] += 1
+
+    def add(self, report):
+        name = report.nodeid.split("::")[0].removeprefix("tests/")
+        self.seconds[name] += report.duration
+        for kind, count in report.user_properties:
+            if kind in ("torchrun", "spawned"):
+                self.launches[name][kind] += count
+
+    def report(self, terminalreporter):
+        files = sorted(self.seconds, key=self.seconds.get, reverse=True)
+        if not files:
+            return
+        terminalreporter.write_sep("-", "time and launches per test file")
+        terminalreporter.write_line(f"{'file':<32} {'seconds':>8} {'torchrun':>9} {'spawned':>8}")
+        rows = [(f, self.seconds[f], self.launches[f]["torchrun"], self.launches[f]["spawned"]) for f in files]
+        rows.append(("total", *(sum(col) for col in list(zip(*rows))[1:])))
+        for name, seconds, torchruns, spawns in rows:
+            terminalreporter.write_line(f"{name:<32} {seconds:>8.1f} {torchruns:>9} {spawns:>8}")
+
+
+TALLY = LaunchTally()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item):
+    TALLY.watch()
+    TALLY.running.clear()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    if call.when == "teardown":  # the test's last report: its launches, setup's module fixtures included
+        # a torchrun launch lives for seconds: the watcher, looking every 0.25 s, has seen every one by now
+        outcome.get_result().user_properties.extend(TALLY.running.items())
+
+
+def pytest_runtest_logreport(report):
+    TALLY.add(report)
+
+
+def pytest_terminal_summary(terminalreporter):
+    TALLY.report(terminalreporter)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -42,6 +131,10 @@ def _worker(rank: int, world_size: int, port: int, fn, args, errors) -> None:
     # a rank that crashes in C++ (a full run here saw one SIGSEGV in the TP=2 sampler fixture) prints
     # every thread's Python stack to the test's captured stderr, as torchrun's workers do
     faulthandler.enable()
+    # one intra-op thread a rank, as torchrun gives each of several ranks (OMP_NUM_THREADS=1): with the machine's
+    # default (one a core) 2 ranks x 2 threads spin on 2 cores while they wait on each other's collectives, and a
+    # TP=2 sampler test took 166 s instead of 53 s
+    torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
@@ -65,6 +158,7 @@ def _worker(rank: int, world_size: int, port: int, fn, args, errors) -> None:
 
 def run_ranks(world_size: int, fn, *args) -> None:
     """Run fn(rank, world_size, *args) on `world_size` gloo ranks; re-raise any rank's failure."""
+    TALLY.running["spawned"] += 1
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     try:

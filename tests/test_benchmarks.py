@@ -13,6 +13,7 @@ import job_status  # benchmarks/, on the tests' path (pyproject.toml)
 from conftest import REPO
 
 
+@pytest.mark.slow  # torchrun jobs of the benchmark
 def test_oom_variant_is_recorded_and_the_run_goes_on(tmp_path):
     proc = subprocess.run(
         [sys.executable, "benchmarks/logprob_memory.py", "--device", "cpu", "--batch", "1", "--seq", "64",

@@ -81,13 +81,14 @@ def test_reference_frozen_policy_trained(runs, seed_checkpoint, name):
 def test_compiled_tp_shares_a_cache_and_matches_eager(runs, seed_checkpoint, tmp_path_factory):
     """TP=2 with compiled blocks, policy loss and reference log-probs, twice on one inductor cache.
 
-    Without the per-rank cache guard the second (warm) run reuses one rank's graph on the
+    Without the per-rank cache key tags the second (warm) run reuses one rank's graph on the
     other rank, with the wrong vocab range baked in, and its losses are silently wrong.
     """
     cache = tmp_path_factory.mktemp("inductor_cache")
     flags = ["--parallelism.tensor_parallel_degree", "2", "--compile.enable", "--compile.components", "model,loss",
              "--reference_model.compile"]
     eager = scalars(runs["tp2"])
+    seen = []  # the compiled kernels in the cache after each run: keyed by their source, shared by the ranks
     for name in ("compiled_cold", "compiled_warm"):
         dump = train(tmp_path_factory, seed_checkpoint, name, 2, *flags, steps=STEPS,
                      env={"TORCHINDUCTOR_CACHE_DIR": str(cache)})
@@ -95,7 +96,10 @@ def test_compiled_tp_shares_a_cache_and_matches_eager(runs, seed_checkpoint, tmp
         for tag in ("loss_metrics/global_avg_loss", "grad_norm", "grpo/kl"):
             # inductor fuses and reorders fp32 math: agreement to 1e-4, not bitwise
             assert tb[tag] == pytest.approx(eager[tag], rel=1e-4, abs=1e-7), (name, tag)
-    assert sorted(p.name for p in cache.iterdir() if p.name.startswith("rank_")) == ["rank_0", "rank_1"]
+        seen.append(set(cache.rglob("*.so")))
+    assert seen[0] and seen[1] == seen[0]  # the warm run compiled no kernel: it ran what the cold run left
+    assert any((cache / "fxgraph").iterdir())  # the ranks' graphs, each under its own key
+    assert not any(p.name.startswith("rank_") for p in cache.iterdir())  # one folder for both ranks
 
 
 @pytest.mark.slow

@@ -212,6 +212,7 @@ def test_blocked_logprobs(vocab_block, chunk_tokens):
     assert none is None and torch.equal(only_logprobs, logprobs)
 
 
+@pytest.mark.slow  # inductor compiles two block shapes on CPU
 def test_blocked_logprobs_compiled(tmp_path, monkeypatch):
     """Compiled (an uneven last block, so two block shapes), the same values as eager."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
@@ -236,7 +237,6 @@ def _fsdp_fused(rank, world_size, out):
     """FSDP=2: the fused pass against today's path, each case from the same seed on both."""
     from torchtitan.distributed import ParallelDims
 
-    torch.set_num_threads(1)
     pd = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=2)
     fsdp = ("--parallelism.data_parallel_shard_degree", "2")
     results = {name: [train(fused, *case, *fsdp, microbatches=2, parallel_dims=pd, rank=rank)
@@ -271,7 +271,6 @@ TP_CASES = [(0, 4096), (10, 4096), (30, 4096), (0, 100), (10, 100), (30, 256)]  
 def _tp_fused(rank, world_size, out_dir):
     """Fused at TP=2 on a vocab-parallel head (V = 1271: shards of 636 and 635) against fp64, chunked and
     not; in vocab blocks (of 100 rows: the last of 36 and 35; of 256: 124 and 123) against one block."""
-    torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world_size,))
     checks = Checks(out_dir, rank)
     Tn, V, temperature = 46, 1271, 0.7
@@ -349,7 +348,6 @@ def _sequence_ranks(rank, world_size, out):
     from torch.distributed.tensor.parallel import loss_parallel
     from torchtitan.distributed import ParallelDims
 
-    torch.set_num_threads(1)
     results = {}
     for name, (tp, dp) in {"tp2": (2, 1), "fsdp2": (1, 2)}.items():
         pd = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=1, ep=1, etp=1, world_size=2)

@@ -83,25 +83,14 @@ def test_entry_4_rowwise_prepare_output_fn():
         f"entry 4: RowwiseParallel._prepare_output_fn takes {params} now"
 
 
-def test_entry_5_inductor_cache_dir(tmp_path, monkeypatch):
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    assert cache_dir() == str(tmp_path), "entry 5: cache_dir() no longer follows TORCHINDUCTOR_CACHE_DIR"
-    internals.isolate_compile_cache(1)
-    assert cache_dir() == str(tmp_path / "rank_1")
-    internals.isolate_compile_cache(1)  # idempotent: parallelize may call it for several model parts
-    assert cache_dir() == str(tmp_path / "rank_1")
-
-
-def test_entry_6_torchtitan_llama3_permute():
+def test_entry_5_torchtitan_llama3_permute():
     from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAdapter
 
     for name in ("_permute", "_reverse_permute"):
         fn = getattr(Llama3StateDictAdapter, name, None)
-        assert callable(fn), f"entry 6: torchtitan's Llama3StateDictAdapter.{name} is gone"
+        assert callable(fn), f"entry 5: torchtitan's Llama3StateDictAdapter.{name} is gone"
         params = list(inspect.signature(fn).parameters)
-        assert params[:3] == ["self", "w", "n_heads_arg"], f"entry 6: Llama3StateDictAdapter.{name} takes {params} now"
+        assert params[:3] == ["self", "w", "n_heads_arg"], f"entry 5: Llama3StateDictAdapter.{name} takes {params} now"
 
 
 def test_no_private_torch_access_outside_internals():

@@ -16,6 +16,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -30,7 +31,7 @@ from torch.utils._pytree import tree_leaves
 from torchtitan.components.loss import IGNORE_INDEX
 
 from conftest import run_ranks
-from plugin.runtime.internals import isolate_compile_cache
+from plugin.model.parallelize import tag_compile_caches
 from plugin.scoring.logprobs import (
     Scoring,
     chunk_tokens_for,
@@ -584,7 +585,6 @@ def _tp_chunked_entropy_grad(mesh, rank):
 
 
 def _tp_eager_checks(rank, world_size, out_dir):
-    torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world_size,))
     checks = Checks(out_dir, rank)
     checks.run("logprobs", _tp_logprobs, mesh, 47)
@@ -653,10 +653,10 @@ def _tp_compiled(mesh, rank, cache_dir):
     ref = list(head_reference(head, hidden, labels, w, temperature))
     ref[2] = ref[2][:, local]
     eager = run_chunked(head, hidden[:, local], labels, w, compiled=False, **kwargs)
-    # the order parallelize_grpo uses: a per-rank cache before anything is compiled
+    # the order parallelize_grpo uses: the rank's cache key tag before anything is compiled; one folder for both ranks
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
-    isolate_compile_cache(rank)
-    own_cache = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    tag_compile_caches(rank)
+    own_tag = torch.compiler.config.cache_key_tag
 
     def compiled_run(what):
         torch._dynamo.reset()  # drop in-process compiled code: the next call compiles or loads from disk
@@ -664,16 +664,16 @@ def _tp_compiled(mesh, rank, cache_dir):
         return what, got
 
     results = [compiled_run("cold cache")]
-    results.append(compiled_run("warm per-rank cache"))
-    # what a cache shared by the ranks does: rank 1 finds rank 0's entries under the same keys
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(os.path.dirname(own_cache), "rank_0")
-    shared = compiled_run("rank 0's cache")[1]
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = own_cache
+    results.append(compiled_run("warm shared cache, own tag"))
+    dist.barrier()  # both ranks' graphs are in the folder
+    # what a cache shared without the tags does: rank 1 finds rank 0's entries under the same keys
+    torch.compiler.config.cache_key_tag = "rank0"
+    shared = compiled_run("rank 0's tag")[1]
+    torch.compiler.config.cache_key_tag = own_tag
     return eager, ref, results, shared
 
 
 def _tp_compiled_checks(rank, world_size, out_dir, cache_dir):
-    torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world_size,))
     checks = Checks(out_dir, rank)
     eager, ref, results, shared = _tp_compiled(mesh, rank, cache_dir)
@@ -701,11 +701,23 @@ def tp_compiled(tmp_path_factory):
 
 @pytest.mark.slow  # inductor compiles on CPU: tens of seconds
 def test_compiled_tp2(tp_compiled):
-    """compiled=True at TP=2 (per-rank cache, cold then warm) matches eager and fp64: values and gradients."""
+    """compiled=True at TP=2 (per-rank cache key tags in one folder, cold then warm) matches eager and fp64: values and gradients."""
     assert_check_passed(tp_compiled, "compiled")
 
 
+@pytest.mark.slow  # the fixture compiles with inductor
 def test_shared_compile_cache_breaks_tp(tp_compiled):
-    """Why isolate_compile_cache exists: a rank that loads the other rank's compiled log-probs gets wrong values."""
+    """Why tag_compile_caches exists: a rank that loads the other rank's compiled log-probs gets wrong values."""
     assert_check_passed(tp_compiled, "shared_cache")
 
+
+
+def test_compile_cache_tag_is_the_ranks_and_set_once(monkeypatch):
+    """A user's own cache key tag is kept; parallelize may tag several model parts, the rank is added once."""
+    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "mine")
+    tag_compile_caches(1)
+    tag_compile_caches(1)
+    assert torch.compiler.config.cache_key_tag == "mine-rank1"
+    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "")
+    tag_compile_caches(11)
+    assert torch.compiler.config.cache_key_tag == "rank11"

@@ -131,6 +131,7 @@ def test_resume_mid_replay_is_bitwise(mu_runs):
     assert not (mu_runs["split"] / "completions" / "batch-000002-dp0.jsonl").exists()
 
 
+@pytest.mark.slow  # a torchrun launch each
 @pytest.mark.parametrize("flags, message", [
     (("--online.reward_funcs", "no_such_module:reward"),
      "[online] reward_funcs[0] = 'no_such_module:reward': cannot import module 'no_such_module'"),
@@ -148,6 +149,7 @@ def test_bad_input_stops_the_run_with_a_named_error(tmp_path, prompts, flags, me
     assert message in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow  # a torchrun launch
 def test_evaluation_splits_prompts_over_fsdp_ranks_and_logs_eval_figures(tmp_path, prompts):
     """5 held-out prompts on 2 FSDP ranks, 2 per call: rank 1's second call has none and still joins the collectives."""
     heldout = tmp_path / "heldout.jsonl"

@@ -329,6 +329,7 @@ def test_online_run_on_chat_prompts_agrees_with_its_sampler_and_exports_for_tran
     assert 0 < moved < 1e-3 and (trained - before).abs().max() > 0
 
 
+@pytest.mark.slow  # the benchmark's run on the real model
 def test_tool_learning_benchmark_runs_its_own_tool_loop(hf_dir, tmp_path):
     """benchmarks/tool_learning.py on 2 held-out prompts, greedy: it scores, writes its CSV and logs trajectories."""
     import csv
