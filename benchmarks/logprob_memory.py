@@ -170,7 +170,7 @@ def worker(args) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from plugin.runtime.internals import isolate_compile_cache
+    from plugin.model.parallelize import tag_compile_caches
     from plugin.scoring.logprobs import VOCAB_BLOCK, Scoring, blocked_logprobs, chunked_logprobs, fused_chunked_loss
 
     variant, pass_ = VARIANTS[args.variant_list[0]], args.pass_list[0]
@@ -185,8 +185,8 @@ def worker(args) -> None:
     dist.init_process_group(backend)
     mesh = init_device_mesh(device.type, (world,))
     if variant.compiled:
-        # a cache shared by the TP ranks silently mixes their vocab ranges (notes item 6)
-        isolate_compile_cache(rank)
+        # cache keys shared by the TP ranks silently mix their vocab ranges (notes item 6)
+        tag_compile_caches(rank)
 
     B, T, tp, dtype = args.batch, args.seq, world, getattr(torch, args.dtype)
     if T % tp:

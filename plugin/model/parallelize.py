@@ -16,9 +16,22 @@ from plugin.config import compiles_loss
 from plugin.job import GRPOJob
 from plugin.model.policy import ties_weights
 from plugin.model.reference import Reference
-from plugin.runtime import internals
 from plugin.scoring.logprobs import Scoring, chunk_tokens_for
 from plugin.scoring.loss import token_terms_fn
+
+
+def tag_compile_caches(rank: int) -> None:
+    """Give this rank's compiled graphs cache keys of their own (torch.compiler.config.cache_key_tag).
+
+    The FX graph and AOTAutograd cache keys do not tell TP ranks apart, so with one cache folder a rank
+    would load a graph that has the other rank's vocab range baked in, and its log-probs would be silently
+    wrong (pytorch/pytorch#188390; tests/test_logprobs.py shows it). The tag keeps the graphs apart while
+    the ranks share one folder, so the C++ and Triton kernels, keyed by their source, are compiled once
+    for all ranks (under a file lock) rather than once per rank.
+    """
+    tag, config = f"rank{rank}", torch.compiler.config
+    if config.cache_key_tag.split("-")[-1] != tag:  # parallelize may run for several model parts
+        config.cache_key_tag = f"{config.cache_key_tag}-{tag}" if config.cache_key_tag else tag
 
 
 def build_grpo_parallelize_fn(base_parallelize: Callable) -> Callable:
@@ -27,7 +40,7 @@ def build_grpo_parallelize_fn(base_parallelize: Callable) -> Callable:
     def parallelize_grpo(model: nn.Module, parallel_dims, job_config) -> nn.Module:
         job = GRPOJob.of(job_config)
         if parallel_dims.tp_enabled and (job_config.compile.enable or job_config.reference_model.compile):
-            internals.isolate_compile_cache(torch.distributed.get_rank())
+            tag_compile_caches(torch.distributed.get_rank())
 
         def parallelize(module: nn.Module) -> nn.Module:
             return parallelize_model(base_parallelize, module, parallel_dims, job_config)

@@ -18,16 +18,12 @@ test per entry that fails naming the entry when torch changes it.
 4. `RowwiseParallel._prepare_output_fn` (`use_blocking_rowwise_output`, CPU only): its output
    redistribute is asynchronous, and compiled TP blocks' backward then fails on CPU ("'Tensor'
    object has no attribute '_local_tensor'"); the style has no option for a blocking one.
-5. `torch._inductor.runtime.cache_dir_utils.cache_dir` (`isolate_compile_cache`): the default
-   inductor cache folder, to give each rank its own below it (pytorch/pytorch#188390); the
-   public knob, TORCHINDUCTOR_CACHE_DIR, can only be set, not read back as inductor resolves it.
-6. torchtitan's `Llama3StateDictAdapter._permute` / `_reverse_permute`, overridden by
+5. torchtitan's `Llama3StateDictAdapter._permute` / `_reverse_permute`, overridden by
    plugin.model.llama3's adapter: its public to_hf/from_hf permute Q/K rows through a view that a
    DTensor whose row shards split a head refuses (SmolLM2's 9 heads on 2 FSDP ranks); checked on
    torchtitan 0.2.2.
 """
 
-import os
 from contextlib import contextmanager
 
 import torch.nn as nn
@@ -84,18 +80,3 @@ def use_blocking_rowwise_output() -> None:
         return outputs.to_local() if use_local_output else outputs
 
     RowwiseParallel._prepare_output_fn = staticmethod(prepare_output)
-
-
-def isolate_compile_cache(rank: int) -> None:
-    """Give each rank its own inductor/AOTAutograd cache folder (entry 5).
-
-    The AOTAutograd cache key does not tell ranks apart, so with a cache shared by the TP ranks
-    one rank reuses a graph that has the other rank's vocab range baked in, and log-probs come
-    out silently wrong (pytorch/pytorch#188390; tests/test_logprobs.py shows it).
-    """
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    base = cache_dir()
-    if os.path.basename(base).startswith("rank_"):
-        return
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, f"rank_{rank}")
