@@ -1,15 +1,18 @@
 """Shared test helpers: a gloo multi-rank runner on CPU and a torchrun launcher for end-to-end runs; the model
 builder and the bundled config come from benchmarks/harness.py, which the benchmarks use too."""
 
+import ast
 import faulthandler
 import gc
 import glob
+import inspect
 import os
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 import traceback
@@ -26,13 +29,31 @@ from harness import CONFIG, REPO, build_model, parse_config  # noqa: F401
 from job_status import proc_stats
 
 
-# tests that launch torchtitan's train.py under torchrun (seconds to minutes each); `-m "not slow"` skips them
-_TORCHRUN_FIXTURES = {"seed_checkpoint", "qwen3_seed_checkpoint"}
+def _launches(fn, seen: set) -> bool:
+    """Whether `fn` calls, itself or through the module-level functions it calls by name, this file's
+    `torchrun` or `run_ranks` (every multi-rank launch of the suite goes through one of them)."""
+    if fn in (torchrun, run_ranks):
+        return True
+    if fn in seen or not inspect.isfunction(fn):
+        return False
+    seen.add(fn)
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    names = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    # a test may import them inside its body ("from conftest import run_ranks"): those names are not module globals
+    return bool(names & {"torchrun", "run_ranks"}) or any(_launches(fn.__globals__.get(name), seen) for name in names)
 
 
 def pytest_collection_modifyitems(items):
+    # `-m "not slow"` is the quick local subset: a test that launches torchrun or spawns gloo ranks, in its body or
+    # in a fixture it uses, is slow; tests that compile with inductor or run a benchmark's jobs are marked by hand
     for item in items:
-        if _TORCHRUN_FIXTURES & set(getattr(item, "fixturenames", ())):
+        defs = getattr(item, "_fixtureinfo", None)
+        fixtures = [d.func for name in getattr(item, "fixturenames", ())
+                    for d in (defs.name2fixturedefs.get(name, ()) if defs else ())]
+        if any(_launches(fn, set()) for fn in [getattr(item, "function", None), *fixtures]):
             item.add_marker(pytest.mark.slow)
 
 

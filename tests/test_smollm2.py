@@ -77,6 +77,7 @@ def texts(tok) -> list[str]:
     return fixed + chats + arithmetic
 
 
+@pytest.mark.slow  # converts and loads the real model, and transformers' copy of it
 def test_tokenizer_matches_transformers(hf_dir, oracle_tok):
     from tokenizers import Tokenizer
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
@@ -112,6 +113,7 @@ def conversations() -> list[list[dict]]:
     return out
 
 
+@pytest.mark.slow  # converts and loads the real model, and transformers' copy of it
 def test_chat_prompts_match_transformers_apply_chat_template(hf_dir, oracle_tok):
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
@@ -131,6 +133,7 @@ def test_chat_prompts_match_transformers_apply_chat_template(hf_dir, oracle_tok)
     assert chat.render(MESSAGES[0]).startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
 
 
+@pytest.mark.slow  # converts and loads the real model, and transformers' copy of it
 def test_config_matches_flavor_and_transformers(hf_dir, oracle_model):
     from torchtitan.protocols.train_spec import get_train_spec
 
@@ -181,6 +184,7 @@ def titan_model(hf_dir):
     return load_torchtitan(hf_dir)
 
 
+@pytest.mark.slow  # converts and loads the real model, and transformers' copy of it
 def test_torchtitan_logits_match_transformers(titan_model, oracle_tok, oracle_model):
     model = titan_model
     assert model.output.weight is model.tok_embeddings.weight  # still one parameter after the load
@@ -198,6 +202,7 @@ def test_torchtitan_logits_match_transformers(titan_model, oracle_tok, oracle_mo
             torch.testing.assert_close(model(tokens), oracle(tokens).logits, atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow  # converts and loads the real model, and transformers' copy of it
 @pytest.mark.parametrize("kv_cache, temperature", [(True, 1.0), (False, 0.7)])
 def test_sampler_and_trainer_logprobs_match_transformers(titan_model, oracle_tok, oracle_model, kv_cache, temperature):
     """The sampler's log-prob of each drawn token, and the trainer's (policy.logprobs), against transformers'
