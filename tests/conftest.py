@@ -185,12 +185,14 @@ def run_ranks(world_size: int, fn, *args) -> None:
     try:
         mp.start_processes(_worker, args=(world_size, _free_port(), fn, args, errors), nprocs=world_size,
                            start_method="spawn")
-    except Exception:
-        msgs = []
+    except Exception as e:
+        # a rank that raised sent its traceback; one killed by a signal (SIGSEGV, SIGABRT) printed its Python stack
+        # to stderr through faulthandler, and torch's ProcessExitedException names the rank and the signal
+        msgs = [f"{type(e).__name__}: {e}"]
         while not errors.empty():
             rank, tb = errors.get()
             msgs.append(f"--- rank {rank} ---\n{tb}")
-        pytest.fail("\n".join(msgs) or "a rank failed", pytrace=False)
+        pytest.fail("\n".join(msgs), pytrace=False)
 
 
 def ranks_result(tmp_path_factory, name: str, world_size: int, fn, *args):
