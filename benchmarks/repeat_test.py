@@ -8,19 +8,25 @@ suite does; each run is a fresh pytest process with glibc's heap checks on (MALL
 MALLOC_PERTURB_ so that a freed block is overwritten: a use after free reads garbage instead of the old
 values). A run that did not pass keeps its output (`<out>/<id>-<run>.log`); the CSV has a row per run: the
 node id, the run, its exit code, the seconds, and the signs of a crash in the output (a fatal signal, glibc's
-heap messages, a timeout).
+heap messages, a timeout). `--summarize RUNS.csv ...` writes benchmarks/results/repeat_test.csv (and its table):
+per node id, the runs, how many passed and the crash signs seen.
 """
 
 import argparse
 import csv
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import results_md  # benchmarks/, the script's folder
+
 REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+TABLES = {"repeat_test": dict(script="repeat_test.py --summarize", pick=None)}
 # what a crashed rank leaves in the output: faulthandler's line, glibc's heap checks, C++'s terminate
 CRASH = re.compile(r"Fatal Python error: \w+|malloc\(\): [^\n]*|free\(\): [^\n]*|double free[^\n]*|corrupted [^\n]*"
                    r"|terminate called[^\n]*|Segmentation fault|SIGSEGV|SIGABRT|exitcode\s*:\s*-\d+")
@@ -38,13 +44,31 @@ def run_once(node: str, timeout: int) -> tuple[int | None, float, str]:
         return None, time.monotonic() - start, out + "\n[timeout]"
 
 
+def summarize(paths: list[Path]) -> Path:
+    """Per node id over the runs CSVs: runs, passes, crash signs; written to benchmarks/results/repeat_test.csv."""
+    rows = [r for path in paths for r in csv.DictReader(open(path, newline=""))]
+    out = []
+    for node in dict.fromkeys(r["node"] for r in rows):
+        mine = [r for r in rows if r["node"] == node]
+        signs = sorted({s for r in mine for s in r["crash_signs"].split("; ") if s})
+        out.append({"node": node, "runs": len(mine), "passed": sum(r["exit_code"] == "0" for r in mine),
+                    "median_s": f"{statistics.median(float(r['seconds']) for r in mine):.0f}",
+                    "crash_signs": "; ".join(signs) or "none"})
+    results_md.write_csv(RESULTS / "repeat_test.csv", out, list(out[0]), **TABLES["repeat_test"])
+    return RESULTS / "repeat_test.csv"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("nodes", nargs="+", help="pytest node ids")
+    p.add_argument("nodes", nargs="*", help="pytest node ids")
+    p.add_argument("--summarize", nargs="+", type=Path, metavar="RUNS_CSV", help="summarize earlier runs instead")
     p.add_argument("--runs", type=int, default=30, help="runs of each node id")
     p.add_argument("--timeout", type=int, default=900, help="seconds a run may take")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "tmp" / "repeat_test")
     args = p.parse_args(argv)
+    if args.summarize:
+        print(f"wrote {summarize(args.summarize)}")
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for run in range(1, args.runs + 1):
