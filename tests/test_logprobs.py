@@ -712,12 +712,15 @@ def test_shared_compile_cache_breaks_tp(tp_compiled):
 
 
 
-def test_compile_cache_tag_is_the_ranks_and_set_once(monkeypatch):
+def test_compile_cache_tag_is_the_ranks_and_set_once():
     """A user's own cache key tag is kept; parallelize may tag several model parts, the rank is added once."""
-    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "mine")
-    tag_compile_caches(1)
-    tag_compile_caches(1)
-    assert torch.compiler.config.cache_key_tag == "mine-rank1"
-    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "")
-    tag_compile_caches(11)
-    assert torch.compiler.config.cache_key_tag == "rank11"
+    # config.patch restores the tag; pytest's monkeypatch would delete it on undo, which torch's config
+    # module turns into "cache_key_tag does not exist" for every later compile in this process
+    with torch.compiler.config.patch(cache_key_tag="mine"):
+        tag_compile_caches(1)
+        tag_compile_caches(1)
+        assert torch.compiler.config.cache_key_tag == "mine-rank1"
+    with torch.compiler.config.patch(cache_key_tag=""):
+        tag_compile_caches(11)
+        assert torch.compiler.config.cache_key_tag == "rank11"
+    assert torch.compiler.config.cache_key_tag == ""
