@@ -6,6 +6,7 @@ import faulthandler
 import gc
 import glob
 import inspect
+import json
 import os
 import shutil
 import socket
@@ -17,6 +18,7 @@ import threading
 import time
 import traceback
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -31,8 +33,8 @@ from job_status import proc_stats
 
 def _launches(fn, seen: set) -> bool:
     """Whether `fn` calls, itself or through the module-level functions it calls by name, this file's
-    `torchrun` or `run_ranks` (every multi-rank launch of the suite goes through one of them)."""
-    if fn in (torchrun, run_ranks):
+    `torchrun`, `torchrun_jobs` or `run_ranks` (every multi-rank launch of the suite goes through one of them)."""
+    if fn in (torchrun, torchrun_jobs, run_ranks):
         return True
     if fn in seen or not inspect.isfunction(fn):
         return False
@@ -43,7 +45,7 @@ def _launches(fn, seen: set) -> bool:
         return False
     names = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
     # a test may import them inside its body ("from conftest import run_ranks"): those names are not module globals
-    return bool(names & {"torchrun", "run_ranks"}) or any(_launches(fn.__globals__.get(name), seen) for name in names)
+    return bool(names & {"torchrun", "torchrun_jobs", "run_ranks"}) or any(_launches(fn.__globals__.get(name), seen) for name in names)
 
 
 def pytest_collection_modifyitems(items):
@@ -208,13 +210,27 @@ def torchrun(nproc: int, config: str, *overrides: str, env: dict | None = None, 
     stdout and stderr are rank 0's; the other ranks write theirs to files, which `check` shows when
     the launch failed (a rank can fail on its own: CI once saw rank 1 abort while rank 0 was fine).
     """
+    return _launch(nproc, ["-m", "torchtitan.train", "--job.config_file", config, *overrides], env, timeout)
+
+
+def torchrun_jobs(nproc: int, jobs: list[list[str]], env: dict | None = None, timeout: int = 600):
+    """Several jobs (each the arguments `-m torchtitan.train` would take) one after another in one launch
+    (tests/run_jobs.py): the launch's start-up, most of a short run's time, is paid once. `timeout` is per job."""
+    path = Path(tempfile.mkdtemp(prefix="jobs-")) / "jobs.json"
+    path.write_text(json.dumps(jobs))
+    try:
+        return _launch(nproc, [str(REPO / "tests" / "run_jobs.py"), str(path)], env, timeout * len(jobs))
+    finally:
+        shutil.rmtree(path.parent, ignore_errors=True)
+
+
+def _launch(nproc: int, command: list[str], env: dict | None, timeout: int):
     logs = tempfile.mkdtemp(prefix="torchrun-logs-")
     others = ",".join(f"{r}:3" for r in range(1, nproc))
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
         "--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0", "--local-ranks-filter=0",
-        "--log-dir", logs, *(["--redirects", others] if others else []),
-        "-m", "torchtitan.train", "--job.config_file", config, *overrides,
+        "--log-dir", logs, *(["--redirects", others] if others else []), *command,
     ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     try:
@@ -261,31 +277,66 @@ def read_checkpoint(path: Path) -> dict:
     return torch.load(out, weights_only=False)
 
 
-def create_seed_checkpoint(tmp_path_factory, name: str, *overrides: str) -> Path:
-    """torchtitan's seed checkpoint (1 rank) of the bundled config's model, or of the one `overrides` name."""
-    dump = tmp_path_factory.mktemp(name)
-    check(torchrun(1, CONFIG, "--job.dump_folder", str(dump), "--checkpoint.enable",
-                   "--checkpoint.create_seed_checkpoint", "--parallelism.tensor_parallel_degree", "1", *overrides))
-    return dump / "checkpoint" / "step-0"
+def _seed_args(dump: Path, *overrides: str) -> list[str]:
+    return ["--job.config_file", CONFIG, "--job.dump_folder", str(dump), "--checkpoint.enable",
+            "--checkpoint.create_seed_checkpoint", "--parallelism.tensor_parallel_degree", "1", *overrides]
 
 
 @pytest.fixture(scope="session")
-def seed_checkpoint(tmp_path_factory) -> Path:
+def seed_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """torchtitan's seed checkpoints (1 rank) of the bundled config's llama3 and qwen3 models, made in one launch."""
+    dumps = {"grpo_llama3": tmp_path_factory.mktemp("seed"), "grpo_qwen3": tmp_path_factory.mktemp("seed_qwen3")}
+    check(torchrun_jobs(1, [_seed_args(dump, "--model.name", model) for model, dump in dumps.items()]))
+    return {model: dump / "checkpoint" / "step-0" for model, dump in dumps.items()}
+
+
+@pytest.fixture(scope="session")
+def seed_checkpoint(seed_checkpoints) -> Path:
     """The llama3 debug model's seed checkpoint: every llama3 end-to-end run starts from these weights."""
-    return create_seed_checkpoint(tmp_path_factory, "seed")
+    return seed_checkpoints["grpo_llama3"]
 
 
 @pytest.fixture(scope="session")
-def qwen3_seed_checkpoint(tmp_path_factory) -> Path:
+def qwen3_seed_checkpoint(seed_checkpoints) -> Path:
     """The same for qwen3's debug model (tied embedding and output weights)."""
-    return create_seed_checkpoint(tmp_path_factory, "seed_qwen3", "--model.name", "grpo_qwen3")
+    return seed_checkpoints["grpo_qwen3"]
+
+
+@dataclass(frozen=True)
+class Run:
+    """One training run of `train_runs`: a bundled config from seed weights, a full checkpoint at the last step."""
+
+    seed: Path
+    nproc: int
+    extra: tuple[str, ...] = ()
+    steps: int = 3
+    config: str = CONFIG
+    env: tuple[tuple[str, str], ...] = ()
+
+    def overrides(self, dump: Path) -> list[str]:
+        return ["--job.dump_folder", str(dump), "--training.steps", str(self.steps),
+                "--checkpoint.enable", "--checkpoint.initial_load_path", str(self.seed),
+                "--checkpoint.no-last-save-model-only", "--checkpoint.interval", "1000", *self.extra]
+
+
+def run(seed: Path, nproc: int, *extra: str, steps: int = 3, config: str = CONFIG, env: dict | None = None) -> Run:
+    return Run(seed, nproc, extra, steps, config, tuple(sorted((env or {}).items())))
+
+
+def train_runs(tmp_path_factory, runs: dict[str, Run]) -> dict[str, Path]:
+    """Every run's dump folder; runs on the same number of ranks with the same environment share one launch."""
+    dumps = {name: tmp_path_factory.mktemp(name) for name in runs}
+    launches = defaultdict(list)
+    for name, r in runs.items():
+        launches[r.nproc, r.env].append(["--job.config_file", r.config, *r.overrides(dumps[name])])
+    for (nproc, env), jobs in launches.items():
+        check(torchrun_jobs(nproc, jobs, env=dict(env)))
+    return dumps
 
 
 def train(tmp_path_factory, seed: Path, name: str, nproc: int, *extra: str, steps: int = 3, env=None,
           config: str = CONFIG) -> Path:
-    """A run of a bundled config from the seed weights, with a full checkpoint at the last step."""
+    """A run of a bundled config from the seed weights, with a full checkpoint at the last step: a launch of its own."""
     dump = tmp_path_factory.mktemp(name)
-    check(torchrun(nproc, config, "--job.dump_folder", str(dump), "--training.steps", str(steps),
-                   "--checkpoint.enable", "--checkpoint.initial_load_path", str(seed),
-                   "--checkpoint.no-last-save-model-only", "--checkpoint.interval", "1000", *extra, env=env))
+    check(torchrun(nproc, config, *run(seed, nproc, *extra, steps=steps).overrides(dump), env=env))
     return dump

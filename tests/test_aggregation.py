@@ -10,7 +10,7 @@ for every mode, whichever microbatch a completion lands in.
 
 import pytest
 
-from conftest import scalars, train
+from conftest import run, scalars, train_runs
 
 SETUPS = {
     "fsdp2": (2, ["--parallelism.tensor_parallel_degree", "1", "--parallelism.data_parallel_shard_degree", "2",
@@ -23,13 +23,29 @@ SETUPS = {
 RTOL = 1e-4
 
 
-@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "fixed_horizon"])
-def test_aggregation_is_exact_across_parallelisms(mode, seed_checkpoint, tmp_path_factory):
-    flags = ["--grpo.loss_aggregation", mode, "--grpo.advantage_norm", "batch_std"]
-    one = scalars(train(tmp_path_factory, seed_checkpoint, f"{mode}_1rank", 1,
-                        "--parallelism.tensor_parallel_degree", "1", "--grpo.no_padding_free", *flags, steps=2))
-    for name, (nproc, extra) in SETUPS.items():
-        tb = scalars(train(tmp_path_factory, seed_checkpoint, f"{mode}_{name}", nproc, *extra, *flags, steps=2))
+MODES = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "fixed_horizon"]
+
+
+@pytest.fixture(scope="module")
+def aggregation_runs(seed_checkpoint, tmp_path_factory):
+    """Every mode on every set-up: the 1-rank runs share one launch, the 2-rank runs another."""
+    runs = {}
+    for mode in MODES:
+        flags = ["--grpo.loss_aggregation", mode, "--grpo.advantage_norm", "batch_std"]
+        runs[mode, "1rank"] = run(seed_checkpoint, 1, "--parallelism.tensor_parallel_degree", "1",
+                                  "--grpo.no_padding_free", *flags, steps=2)
+        for name, (nproc, extra) in SETUPS.items():
+            runs[mode, name] = run(seed_checkpoint, nproc, *extra, *flags, steps=2)
+    dumps = train_runs(tmp_path_factory, {f"{mode}_{name}": r for (mode, name), r in runs.items()})
+    return {key: scalars(dumps[f"{key[0]}_{key[1]}"]) for key in runs}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_aggregation_is_exact_across_parallelisms(mode, aggregation_runs):
+    one = aggregation_runs[mode, "1rank"]
+    assert len(one["loss_metrics/global_avg_loss"]) == 2
+    for name in SETUPS:
+        tb = aggregation_runs[mode, name]
         # on-policy, step 1's loss is -mean(A) (0 for the seq modes); grad norms and step 2's loss
         # (KL > 0 by then) check the gradients
         assert tb["loss_metrics/global_avg_loss"] == pytest.approx(one["loss_metrics/global_avg_loss"], rel=RTOL, abs=1e-7), name

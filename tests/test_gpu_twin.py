@@ -10,7 +10,7 @@ Simplifications:
 
 import pytest
 
-from conftest import CONFIG, read_checkpoint, scalars, train
+from conftest import CONFIG, read_checkpoint, run, scalars, train_runs
 
 STEPS = 3
 RTOL = 1e-4  # fp32: TP and FSDP only reorder reductions
@@ -28,10 +28,27 @@ LAYOUTS = {
 }
 
 
+# the unfused path (log-probs to the loss) in one chunk, eager
+PLAIN = ["--compile.no-enable", "--reference_model.no-compile", "--grpo.logprob_chunk_tokens", "0",
+         "--grpo.logprob_chunk_mib", "0", "--grpo.no_fused_policy_pass"]
+MODELS = ["grpo_qwen3", "grpo_llama3"]
+
+
 @pytest.fixture(scope="module")
-def qwen3_runs(tmp_path_factory, qwen3_seed_checkpoint):
-    return {name: train(tmp_path_factory, qwen3_seed_checkpoint, f"qwen3_{name}", n, *QWEN3, *extra, steps=STEPS)
+def runs(tmp_path_factory, seed_checkpoints):
+    """qwen3 on every layout, and each model's twin and plain run: the runs on as many ranks share a launch (3 in all)."""
+    runs = {f"qwen3_{name}": run(seed_checkpoints["grpo_qwen3"], n, *QWEN3, *extra, steps=STEPS)
             for name, (n, extra) in LAYOUTS.items()}
+    for model in MODELS:
+        flags = ["--model.name", model]
+        runs[f"twin_{model}"] = run(seed_checkpoints[model], 4, *flags, steps=STEPS, config=TWIN)
+        runs[f"plain_{model}"] = run(seed_checkpoints[model], 4, *flags, *PLAIN, steps=STEPS, config=TWIN)
+    return train_runs(tmp_path_factory, runs)
+
+
+@pytest.fixture(scope="module")
+def qwen3_runs(runs):
+    return {name: runs[f"qwen3_{name}"] for name in LAYOUTS}
 
 
 def test_qwen3_same_losses_across_layouts(qwen3_runs):
@@ -63,19 +80,11 @@ def test_qwen3_weights_stay_tied(qwen3_runs, qwen3_seed_checkpoint, name):
 STEP1_RTOL = 1e-3
 LATER_TOL = {"loss_metrics/global_avg_loss": dict(abs=5e-3), "grad_norm": dict(rel=0.03),
              "grpo/entropy": dict(rel=0.06), "grpo/kl": dict(rel=0.2)}
-# the unfused path (log-probs to the loss) in one chunk, eager
-PLAIN = ["--compile.no-enable", "--reference_model.no-compile", "--grpo.logprob_chunk_tokens", "0",
-         "--grpo.logprob_chunk_mib", "0", "--grpo.no_fused_policy_pass"]
-
-
-@pytest.mark.parametrize("model", ["grpo_qwen3", "grpo_llama3"])
-def test_gpu_twin_matches_plain_bf16(model, tmp_path_factory, seed_checkpoint, qwen3_seed_checkpoint, request):
+@pytest.mark.parametrize("model", MODELS)
+def test_gpu_twin_matches_plain_bf16(model, runs, qwen3_runs):
     """4 ranks, TP=2 x FSDP=2, bf16, compiled blocks, loss and reference, the default (fused) policy pass in chunks:
     the losses of the plain run (eager, unfused, unchunked)."""
-    seed = qwen3_seed_checkpoint if model == "grpo_qwen3" else seed_checkpoint
-    flags = ["--model.name", model]
-    twin = scalars(train(tmp_path_factory, seed, f"twin_{model}", 4, *flags, steps=STEPS, config=TWIN))
-    plain = scalars(train(tmp_path_factory, seed, f"plain_{model}", 4, *flags, *PLAIN, steps=STEPS, config=TWIN))
+    twin, plain = scalars(runs[f"twin_{model}"]), scalars(runs[f"plain_{model}"])
     for tag, tol in LATER_TOL.items():
         print(tag, "relative difference per step:", [f"{abs(a - b) / max(abs(b), 1e-30):.1e}" for a, b in zip(twin[tag], plain[tag])])
         assert len(twin[tag]) == STEPS, tag
@@ -85,7 +94,7 @@ def test_gpu_twin_matches_plain_bf16(model, tmp_path_factory, seed_checkpoint, q
     # per-completion values reach the loss unrounded by FSDP's bf16 input cast: as in fp32
     # (before the fix, 0.86675 here against 0.86587 in fp32)
     if model == "grpo_qwen3":
-        fp32 = scalars(request.getfixturevalue("qwen3_runs")["tp2_fsdp2"])
+        fp32 = scalars(qwen3_runs["tp2_fsdp2"])
         assert twin["grpo/advantage_std"] == fp32["grpo/advantage_std"]
         assert twin["grpo/reward_mean"] == fp32["grpo/reward_mean"]
 
