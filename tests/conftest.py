@@ -8,6 +8,7 @@ import glob
 import inspect
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -213,15 +214,22 @@ def torchrun(nproc: int, config: str, *overrides: str, env: dict | None = None, 
     return _launch(nproc, ["-m", "torchtitan.train", "--job.config_file", config, *overrides], env, timeout)
 
 
-def torchrun_jobs(nproc: int, jobs: list[list[str]], env: dict | None = None, timeout: int = 600):
-    """Several jobs (each the arguments `-m torchtitan.train` would take) one after another in one launch
-    (tests/run_jobs.py): the launch's start-up, most of a short run's time, is paid once. `timeout` is per job."""
+def torchrun_jobs(nproc: int, jobs: list, env: dict | None = None, timeout: int = 600):
+    """Several jobs (each the arguments `-m torchtitan.train` would take, or {"argv": [...], "fails": True} on one
+    rank) one after another in one launch (tests/run_jobs.py): the launch's start-up, most of a short run's time,
+    is paid once. `timeout` is per job; `job_logs` cuts rank 0's output into the jobs' logs."""
+    assert nproc == 1 or not any(isinstance(j, dict) and j.get("fails") for j in jobs), "a failing job needs 1 rank"
     path = Path(tempfile.mkdtemp(prefix="jobs-")) / "jobs.json"
     path.write_text(json.dumps(jobs))
     try:
         return _launch(nproc, [str(REPO / "tests" / "run_jobs.py"), str(path)], env, timeout * len(jobs))
     finally:
         shutil.rmtree(path.parent, ignore_errors=True)
+
+
+def job_logs(proc) -> list[str]:
+    """Rank 0's output of a `torchrun_jobs` launch, one string per job (from its "run_jobs: job N of M:" line)."""
+    return re.split(r"^(?=.*run_jobs: job \d+ of \d+: )", proc.stdout, flags=re.M)[1:]
 
 
 def _launch(nproc: int, command: list[str], env: dict | None, timeout: int):

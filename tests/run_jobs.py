@@ -2,9 +2,11 @@
 
     torchrun --nproc_per_node N tests/run_jobs.py JOBS.json
 
-JOBS.json is a list of argument lists, each what `-m torchtitan.train` would be given. Every job runs
+JOBS.json is a list of jobs, each the argument list `-m torchtitan.train` would be given, or
+{"argv": [...], "fails": true} for a job that must stop with an error (on one rank only: a rank that
+fails alone leaves its peers waiting): its traceback is logged and the next job runs. Every job runs
 as torchtitan.train's `main` runs it: its own config, Trainer, process group and seed; torchtitan's
-seed-checkpoint mode too. What a job shares with the one before is the process: imports, the
+seed-checkpoint mode too. Each job's log starts with a "run_jobs: job N of M" line. What a job shares with the one before is the process: imports, the
 inductor cache on disk, and memory already taken from the system (a launch's memory figures are
 its own only in a launch of its own).
 
@@ -16,6 +18,7 @@ import gc
 import json
 import sys
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -42,9 +45,12 @@ def _init_for(job: int):
 
 
 def run(job: int, argv: list[str]) -> None:
-    config = ConfigManager().parse_args(argv)
     dist.init_process_group = _init_for(job)
-    trainer = Trainer(config)
+    try:
+        config = ConfigManager().parse_args(argv)
+        trainer = Trainer(config)
+    finally:
+        dist.init_process_group = _init_process_group
     try:
         if config.checkpoint.create_seed_checkpoint:
             trainer.checkpointer.save(curr_step=0, last_step=True)
@@ -52,9 +58,12 @@ def run(job: int, argv: list[str]) -> None:
             trainer.train()
     finally:
         trainer.close()
-        dist.init_process_group = _init_process_group
-    dist.destroy_process_group()
     del trainer
+
+
+def clean_up() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
     gc.collect()
     torch.compiler.reset()  # the next job compiles its own graphs, as a launch of its own would
 
@@ -62,11 +71,21 @@ def run(job: int, argv: list[str]) -> None:
 def main() -> None:
     init_logger()
     jobs = json.loads(open(sys.argv[1]).read())
-    for job, argv in enumerate(jobs):
+    for job, spec in enumerate(jobs):
+        argv, fails = (spec["argv"], spec["fails"]) if isinstance(spec, dict) else (spec, False)
         start = time.perf_counter()
         logger.info(f"run_jobs: job {job + 1} of {len(jobs)}: {' '.join(argv)}")
-        run(job, argv)
-        logger.info(f"run_jobs: job {job + 1} of {len(jobs)} done in {time.perf_counter() - start:.1f} s")
+        try:
+            run(job, argv)
+        except Exception:
+            if not fails:
+                raise
+            logger.error(f"run_jobs: job {job + 1} of {len(jobs)} failed, as it should:\n{traceback.format_exc()}")
+        else:
+            if fails:
+                raise SystemExit(f"run_jobs: job {job + 1} of {len(jobs)} should have failed and did not")
+            logger.info(f"run_jobs: job {job + 1} of {len(jobs)} done in {time.perf_counter() - start:.1f} s")
+        clean_up()
 
 
 if __name__ == "__main__":

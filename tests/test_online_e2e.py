@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, check, scalars_by_step, torchrun
+from conftest import REPO, check, job_logs, scalars_by_step, torchrun_jobs
 
 CONFIG = "train_configs/online_cpu.toml"
 # a graded reward from tests/reward_fns.py: a random policy's groups already differ, so the loss is not 0
@@ -25,13 +25,11 @@ def prompts(tmp_path_factory) -> Path:
     return path
 
 
-def launch(dump: Path, seed: Path, prompts: Path, nproc: int, steps: int, *extra: str):
-    proc = torchrun(nproc, CONFIG, "--job.dump_folder", str(dump), "--training.steps", str(steps),
-                    "--training.dataset_path", str(prompts), "--checkpoint.enable",
-                    "--checkpoint.initial_load_path", str(seed), "--checkpoint.interval", "1000", *SMALL, *extra,
-                    env=ENV)
-    check(proc)
-    return proc
+def job(dump: Path, seed: Path, prompts: Path, steps: int, *extra: str) -> list[str]:
+    """A run's arguments: the online config on the test prompts, from the seed weights."""
+    return ["--job.config_file", CONFIG, "--job.dump_folder", str(dump), "--training.steps", str(steps),
+            "--training.dataset_path", str(prompts), "--checkpoint.enable", "--checkpoint.initial_load_path", str(seed),
+            "--checkpoint.interval", "1000", *SMALL, *extra]
 
 
 def completions(dump: Path, batch: int = 0) -> dict[tuple[str, int], list[int]]:
@@ -56,14 +54,37 @@ LAYOUTS = {
 }
 
 
+MU_STEPS, MU_AT = 4, 3  # num_iterations = 2: batch 1's first step is step 3, its replay step 4
+MU = ("--online.num_iterations", "2", "--optimizer.lr", "1e-2", "--lr_scheduler.total_steps", str(MU_STEPS),
+      "--checkpoint.interval", str(MU_AT), "--checkpoint.no-last-save-model-only",
+      "--parallelism.tensor_parallel_degree", "2", "--grpo.beta", "0.04")
+
+
 @pytest.fixture(scope="module")
-def layout_runs(tmp_path_factory, seed_checkpoint, prompts) -> dict[str, Path]:
-    runs = {}
+def runs(tmp_path_factory, seed_checkpoint, prompts) -> dict[str, Path]:
+    """Every run of this file, in one launch per rank count (3 launches)."""
+    dumps = {name: tmp_path_factory.mktemp(name.replace(" ", "_").replace(",", "").replace("=", ""))
+             for name in [*LAYOUTS, "mu_straight", "mu_split", "variants", "eval", "bf16"]}
+    jobs = {1: [], 2: [], 4: []}
     for name, (nproc, *flags) in LAYOUTS.items():
-        runs[name] = tmp_path_factory.mktemp(name.replace(" ", "_").replace(",", "").replace("=", ""))
         # 8 groups of 4 = 32 completions per batch; one step
-        launch(runs[name], seed_checkpoint, prompts, nproc, 1, "--training.local_batch_size", "32", *flags)
-    return runs
+        jobs[nproc].append(job(dumps[name], seed_checkpoint, prompts, 1, "--training.local_batch_size", "32", *flags))
+    jobs[1].append(job(dumps["variants"], seed_checkpoint, prompts, 2, *VARIANTS))
+    # the resumed half of mu_split runs last, after other runs: state left in the process by the straight run
+    # could not stand in for a checkpoint that lacks it
+    jobs[2][:0] = [job(dumps["mu_straight"], seed_checkpoint, prompts, MU_STEPS, *MU),
+                   job(dumps["mu_split"], seed_checkpoint, prompts, MU_AT, *MU)]
+    jobs[2].append(eval_job(dumps["eval"], prompts))
+    jobs[2].append(job(dumps["mu_split"], seed_checkpoint, prompts, MU_STEPS, *MU))
+    jobs[4].append(job(dumps["bf16"], seed_checkpoint, prompts, 2, *BF16))
+    for nproc, argvs in jobs.items():
+        check(torchrun_jobs(nproc, argvs, env=ENV))
+    return dumps
+
+
+@pytest.fixture(scope="module")
+def layout_runs(runs) -> dict[str, Path]:
+    return {name: runs[name] for name in LAYOUTS}
 
 
 def test_every_layout_draws_the_same_completions_and_loss(layout_runs):
@@ -93,19 +114,9 @@ def test_online_metrics_are_logged(layout_runs):
     assert tags["online/logprob_mismatch"][1] < 1e-4  # fp32: the sampler and the trainer agree
 
 
-MU_STEPS, MU_AT = 4, 3  # num_iterations = 2: batch 1's first step is step 3, its replay step 4
-
-
 @pytest.fixture(scope="module")
-def mu_runs(tmp_path_factory, seed_checkpoint, prompts) -> dict[str, Path]:
-    flags = ("--online.num_iterations", "2", "--optimizer.lr", "1e-2", "--lr_scheduler.total_steps", str(MU_STEPS),
-             "--checkpoint.interval", str(MU_AT), "--checkpoint.no-last-save-model-only",
-             "--parallelism.tensor_parallel_degree", "2", "--grpo.beta", "0.04")
-    straight, split = tmp_path_factory.mktemp("mu_straight"), tmp_path_factory.mktemp("mu_split")
-    launch(straight, seed_checkpoint, prompts, 2, MU_STEPS, *flags)
-    launch(split, seed_checkpoint, prompts, 2, MU_AT, *flags)
-    second = launch(split, seed_checkpoint, prompts, 2, MU_STEPS, *flags)
-    return {"straight": straight, "split": split, "second_log": second.stdout + second.stderr}
+def mu_runs(runs) -> dict[str, Path]:
+    return {"straight": runs["mu_straight"], "split": runs["mu_split"]}
 
 
 def test_replays_start_at_ratio_one_and_then_clip(mu_runs):
@@ -131,8 +142,7 @@ def test_resume_mid_replay_is_bitwise(mu_runs):
     assert not (mu_runs["split"] / "completions" / "batch-000002-dp0.jsonl").exists()
 
 
-@pytest.mark.slow  # a torchrun launch each
-@pytest.mark.parametrize("flags, message", [
+BAD_INPUTS = [
     (("--online.reward_funcs", "no_such_module:reward"),
      "[online] reward_funcs[0] = 'no_such_module:reward': cannot import module 'no_such_module'"),
     (("--online.max_new_tokens", "18"), "prompts.jsonl:1: the prompt is"),
@@ -140,32 +150,50 @@ def test_resume_mid_replay_is_bitwise(mu_runs):
     # the bundled tokenizer has no chat template to show tools in
     (("--online.tools", "reward_fns:tool_like"), "set [rollout_data] chat_template_path to a template with tool support"),
     (("--online.tools", "reward_fns:no_such_tool"), "[online] tools[0] = \"reward_fns:no_such_tool\""),
-])
-def test_bad_input_stops_the_run_with_a_named_error(tmp_path, prompts, flags, message):
-    proc = torchrun(1, CONFIG, "--job.dump_folder", str(tmp_path), "--training.steps", "1",
-                    "--training.dataset_path", str(prompts), "--parallelism.tensor_parallel_degree", "1",
-                    "--checkpoint.no-enable", *SMALL, *flags, env=ENV)  # no warm-up weights to load
-    assert proc.returncode != 0
-    assert message in proc.stdout + proc.stderr
+]
 
 
-@pytest.mark.slow  # a torchrun launch
-def test_evaluation_splits_prompts_over_fsdp_ranks_and_logs_eval_figures(tmp_path, prompts):
-    """5 held-out prompts on 2 FSDP ranks, 2 per call: rank 1's second call has none and still joins the collectives."""
-    heldout = tmp_path / "heldout.jsonl"
-    heldout.write_text("".join(l + "\n" for l in prompts.read_text().splitlines()[:5]))
-    proc = torchrun(2, CONFIG, "--job.dump_folder", str(tmp_path), "--training.steps", "2",
-                    "--training.dataset_path", str(prompts), "--parallelism.tensor_parallel_degree", "1",
-                    "--training.local_batch_size", "8", "--checkpoint.no-enable", *SMALL,
-                    "--validation.enable", "--validation.dataset_path", str(heldout), "--validation.local_batch_size", "2",
-                    "--online.num_generations_eval", "2", "--online.eval_temperature", "1.0",
-                    "--online.eval_log_completions", env=ENV)
+@pytest.fixture(scope="module")
+def bad_input_logs(tmp_path_factory, prompts) -> list[str]:
+    """Each bad input's run, in one launch: each must stop with an error; the log of each."""
+    jobs = [{"argv": ["--job.config_file", CONFIG, "--job.dump_folder", str(tmp_path_factory.mktemp("bad_input")),
+                      "--training.steps", "1", "--training.dataset_path", str(prompts),
+                      "--parallelism.tensor_parallel_degree", "1", "--checkpoint.no-enable",  # no warm-up weights
+                      *SMALL, *flags], "fails": True} for flags, _ in BAD_INPUTS]
+    proc = torchrun_jobs(1, jobs, env=ENV)
     check(proc)
-    tags = scalars_by_step(tmp_path)
+    logs = job_logs(proc)
+    assert len(logs) == len(BAD_INPUTS), proc.stdout[-4000:]
+    return logs
+
+
+@pytest.mark.parametrize("flags, message", BAD_INPUTS)
+def test_bad_input_stops_the_run_with_a_named_error(bad_input_logs, flags, message):
+    log = bad_input_logs[BAD_INPUTS.index((flags, message))]
+    assert "failed, as it should" in log
+    assert message in log
+
+
+def eval_job(dump: Path, prompts: Path) -> list[str]:
+    """5 held-out prompts on 2 FSDP ranks, 2 per call, from random weights."""
+    heldout = dump / "heldout.jsonl"
+    heldout.write_text("".join(l + "\n" for l in prompts.read_text().splitlines()[:5]))
+    return ["--job.config_file", CONFIG, "--job.dump_folder", str(dump), "--training.steps", "2",
+            "--training.dataset_path", str(prompts), "--parallelism.tensor_parallel_degree", "1",
+            "--training.local_batch_size", "8", "--checkpoint.no-enable", *SMALL,
+            "--validation.enable", "--validation.dataset_path", str(heldout), "--validation.local_batch_size", "2",
+            "--online.num_generations_eval", "2", "--online.eval_temperature", "1.0", "--online.eval_log_completions"]
+
+
+def test_evaluation_splits_prompts_over_fsdp_ranks_and_logs_eval_figures(runs):
+    """5 held-out prompts on 2 FSDP ranks, 2 per call: rank 1's second call has none and still joins the collectives."""
+    dump = runs["eval"]
+    heldout = dump / "heldout.jsonl"
+    tags = scalars_by_step(dump)
     assert sorted(tags["eval/reward_mean"]) == [1, 2]  # after step 1 and after the last
     for step in (1, 2):
         rows = [json.loads(l) for r in (0, 1)
-                for l in (tmp_path / "eval" / f"step-{step:06d}-dp{r}.jsonl").read_text().splitlines()]
+                for l in (dump / "eval" / f"step-{step:06d}-dp{r}.jsonl").read_text().splitlines()]
         assert sorted(r["where"] for r in rows) == sorted(f"{heldout}:{i}" for i in range(1, 6) for _ in range(2))
         rewards = [r["reward"] for r in rows]
         assert tags["eval/reward_mean"][step] == pytest.approx(sum(rewards) / 10, rel=1e-6)
@@ -174,34 +202,38 @@ def test_evaluation_splits_prompts_over_fsdp_ranks_and_logs_eval_figures(tmp_pat
         assert tags["eval/full_reward_share"][step] == pytest.approx(full)
 
 
-def test_variants_train_together_with_trls_soft_overlong_reward(tmp_path, seed_checkpoint, prompts):
+VARIANTS = ("--parallelism.tensor_parallel_degree", "1", "--training.local_batch_size", "32",
+            "--online.reward_funcs", "reward_fns:soft_overlong,reward_fns:even_ids", "--online.filter_groups",
+            "--grpo.importance_sampling_level", "sequence", "--grpo.fused_policy_pass", "--online.num_iterations", "2")
+
+
+def test_variants_train_together_with_trls_soft_overlong_reward(runs):
     """TRL's soft overlong punishment (tests/reward_fns.py: TRL's own, or its copy) with the issue-19 variants on:
     dynamic sampling, GSPO's sequence ratio in the fused pass, two steps per batch. (mask_truncated_completions is
     tested in tests/test_online.py: the random debug model rarely samples EOS, so it would mask every completion.)"""
-    launch(tmp_path, seed_checkpoint, prompts, 1, 2, "--parallelism.tensor_parallel_degree", "1",
-           "--training.local_batch_size", "32", "--online.reward_funcs", "reward_fns:soft_overlong,reward_fns:even_ids",
-           "--online.filter_groups",
-           "--grpo.importance_sampling_level", "sequence", "--grpo.fused_policy_pass", "--online.num_iterations", "2")
-    tags = scalars_by_step(tmp_path)
+    dump = runs["variants"]
+    tags = scalars_by_step(dump)
     assert "online/reward/soft_overlong_mean" in tags and tags["online/groups_dropped"][1] >= 0
     assert tags["online/extra_rounds"][1] >= 0
     assert tags["grpo/ratio_mean"][1] == 1.0 and tags["grpo/ratio_mean"][2] != 1.0  # the replay's sequence ratios
-    rows = [json.loads(line) for line in (tmp_path / "completions" / "batch-000000-dp0.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (dump / "completions" / "batch-000000-dp0.jsonl").read_text().splitlines()]
     assert len(rows) == 32 and all(r["rewards"]["soft_overlong"] <= 0 for r in rows)
     groups = [[r["reward"] for r in rows[i : i + 4]] for i in range(0, 32, 4)]
     assert all(len(set(g)) > 1 for g in groups)  # no equal-reward group left in the batch
 
 
-@pytest.mark.slow
-def test_the_gpu_configs_layout_samples_in_bf16(tmp_path, seed_checkpoint, prompts):
+BF16 = ("--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
+        "--training.mixed_precision_param", "bfloat16", "--training.local_batch_size", "16",
+        "--training.global_batch_size", "32")
+
+
+def test_the_gpu_configs_layout_samples_in_bf16(runs):
     """TP=2 x FSDP=2 with bf16 mixed precision, as train_configs/qwen3_0.6b_gpu.toml: the sampler computes in FSDP's
     bf16 (tests/test_sampler.py checks the dtypes), the trainer's log-probs follow it within bf16's rounding, and
     the mismatch and generation memory are logged."""
-    launch(tmp_path, seed_checkpoint, prompts, 4, 2, "--parallelism.tensor_parallel_degree", "2",
-           "--parallelism.data_parallel_shard_degree", "2", "--training.mixed_precision_param", "bfloat16",
-           "--training.local_batch_size", "16", "--training.global_batch_size", "32")
-    tags = scalars_by_step(tmp_path)
-    assert len(completions(tmp_path)) == 32
+    dump = runs["bf16"]
+    tags = scalars_by_step(dump)
+    assert len(completions(dump)) == 32
     for step in (1, 2):
         mismatch = tags["online/logprob_mismatch"][step]
         print(f"step {step}: online/logprob_mismatch {mismatch:.2e}")
