@@ -15,6 +15,7 @@ from plugin.model.llama3 import llama3_family  # noqa: E402
 from plugin.model.optimizer import build_grpo_optimizers  # noqa: E402
 from plugin.model.parallelize import build_grpo_parallelize_fn  # noqa: E402
 from plugin.model.policy import FAMILIES, grpo_model_cls  # noqa: E402
+from plugin.model.qwen3 import qwen3_family  # noqa: E402
 from plugin.runtime.metrics import build_grpo_metrics_processor  # noqa: E402
 from plugin.scoring.loss import build_grpo_loss  # noqa: E402
 
@@ -24,6 +25,8 @@ def grpo_train_spec(base_name: str):
     base = get_train_spec(base_name)
     if base_name == "llama3":  # weight tying and the smollm2_135m flavor (plugin.model.llama3)
         base = dataclasses.replace(base, **llama3_family(base))
+    if base_name == "qwen3":  # the debugmodel_small flavor (plugin.model.qwen3)
+        base = dataclasses.replace(base, **qwen3_family(base))
     return dataclasses.replace(
         base,
         model_cls=grpo_model_cls(base.model_cls, base_name),

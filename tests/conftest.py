@@ -292,9 +292,11 @@ def _seed_args(dump: Path, *overrides: str) -> list[str]:
 
 @pytest.fixture(scope="session")
 def seed_checkpoints(tmp_path_factory) -> dict[str, Path]:
-    """torchtitan's seed checkpoints (1 rank) of the bundled config's llama3 and qwen3 models, made in one launch."""
+    """torchtitan's seed checkpoints (1 rank), made in one launch: the bundled config's llama3 debugmodel, and
+    qwen3's debugmodel_small (plugin.model.qwen3)."""
     dumps = {"grpo_llama3": tmp_path_factory.mktemp("seed"), "grpo_qwen3": tmp_path_factory.mktemp("seed_qwen3")}
-    check(torchrun_jobs(1, [_seed_args(dump, "--model.name", model) for model, dump in dumps.items()]))
+    flags = {"grpo_llama3": [], "grpo_qwen3": ["--model.name", "grpo_qwen3", "--model.flavor", "debugmodel_small"]}
+    check(torchrun_jobs(1, [_seed_args(dump, *flags[model]) for model, dump in dumps.items()]))
     return {model: dump / "checkpoint" / "step-0" for model, dump in dumps.items()}
 
 
@@ -306,7 +308,7 @@ def seed_checkpoint(seed_checkpoints) -> Path:
 
 @pytest.fixture(scope="session")
 def qwen3_seed_checkpoint(seed_checkpoints) -> Path:
-    """The same for qwen3's debug model (tied embedding and output weights)."""
+    """The same for qwen3's debugmodel_small (tied embedding and output weights)."""
     return seed_checkpoints["grpo_qwen3"]
 
 
