@@ -1,7 +1,9 @@
 """End to end: torchrun + torchtitan's own train.py on CPU, with the bundled config and data.
 
 All runs start from one seed checkpoint (torchtitan's --checkpoint.create_seed_checkpoint), so
-1 rank, TP=2 and FSDP=2 train the same weights on the same global batch.
+1 rank, TP=2 and FSDP=2 train the same weights on the same global batch. The `runs` share two
+launches (conftest's train_runs: one per number of ranks); the compiled runs and the bad inputs
+have launches of their own, since what they check is about a launch.
 """
 
 from pathlib import Path
@@ -9,13 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import CONFIG, read_checkpoint, scalars, torchrun, train
+from conftest import CONFIG, read_checkpoint, run, scalars, torchrun, train, train_runs
 from plugin.model.reference import reference_entries
 
 STEPS = 3
 # fp32 everywhere; TP and FSDP only reorder reductions (seen: 1e-5 relative on grad_norm)
 RTOL = 1e-4
 
+# in launch order: tp2 runs first in its launch, so its memory figures are a fresh process's; fsdp2's
+# (the process's RSS) include what the job before took, which the only check on them (> 0) does not mind
 RUNS = {
     "single": (1, ["--parallelism.tensor_parallel_degree", "1"]),
     "tp2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
@@ -29,7 +33,9 @@ RUNS = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, seed_checkpoint) -> dict[str, Path]:
-    return {name: train(tmp_path_factory, seed_checkpoint, name, n, *extra, steps=STEPS) for name, (n, extra) in RUNS.items()}
+    """Two launches: single and padded on 1 rank, tp2 and fsdp2 on 2."""
+    return train_runs(tmp_path_factory, {name: run(seed_checkpoint, n, *extra, steps=STEPS)
+                                         for name, (n, extra) in RUNS.items()})
 
 
 @pytest.mark.parametrize("name", ["tp2", "fsdp2"])
@@ -48,6 +54,7 @@ def test_tensorboard_has_grpo_and_memory_tags(runs, name):
 def test_same_losses_across_parallelisms(runs):
     tb = {name: scalars(dump) for name, dump in runs.items()}
     single = tb["single"]
+    assert all(len(t["loss_metrics/global_avg_loss"]) == STEPS for t in tb.values())
     for name in ("tp2", "fsdp2", "padded"):
         # step 1's loss is -mean(A) on-policy; grad_norm and later losses depend on the weights
         assert tb[name]["loss_metrics/global_avg_loss"] == pytest.approx(single["loss_metrics/global_avg_loss"], rel=RTOL)
@@ -82,7 +89,8 @@ def test_compiled_tp_shares_a_cache_and_matches_eager(runs, seed_checkpoint, tmp
     """TP=2 with compiled blocks, policy loss and reference log-probs, twice on one inductor cache.
 
     Without the per-rank cache key tags the second (warm) run reuses one rank's graph on the
-    other rank, with the wrong vocab range baked in, and its losses are silently wrong.
+    other rank, with the wrong vocab range baked in, and its losses are silently wrong. Each run is
+    a launch of its own: the warm one must start with nothing compiled but what the cold one left on disk.
     """
     cache = tmp_path_factory.mktemp("inductor_cache")
     flags = ["--parallelism.tensor_parallel_degree", "2", "--compile.enable", "--compile.components", "model,loss",
@@ -110,6 +118,7 @@ def test_compiled_tp_shares_a_cache_and_matches_eager(runs, seed_checkpoint, tmp
      "pipeline parallelism is not supported"),
 ])
 def test_bad_input_stops_torchrun_at_start_up(overrides, message):
+    # a launch of its own: it is expected to fail, and its output is read for the message
     proc = torchrun(2, CONFIG, "--training.steps", "1", *overrides)
     assert proc.returncode != 0
     assert message in proc.stdout + proc.stderr

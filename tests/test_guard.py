@@ -5,7 +5,7 @@ and counted."""
 import pytest
 import torch
 
-from conftest import CONFIG, build_model, check, torchrun
+from conftest import CONFIG, build_model, check, torchrun, torchrun_jobs
 from plugin.data.batch import Rollouts
 from plugin.runtime.guard import NonFiniteError
 from plugin.scoring.loss import build_grpo_loss
@@ -106,10 +106,22 @@ def snapshot(folder) -> dict:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def first_run(dump, seed, *extra):
-    check(torchrun(1, CONFIG, "--job.dump_folder", str(dump), "--training.steps", "2", "--checkpoint.enable",
-                   "--checkpoint.interval", "1000", "--checkpoint.initial_load_path", str(seed),
-                   "--parallelism.tensor_parallel_degree", "1", *extra))
+def first_run(dump, seed, *extra) -> list[str]:
+    return ["--job.config_file", CONFIG, "--job.dump_folder", str(dump), "--training.steps", "2", "--checkpoint.enable",
+            "--checkpoint.interval", "1000", "--checkpoint.initial_load_path", str(seed),
+            "--parallelism.tensor_parallel_degree", "1", *extra]
+
+
+@pytest.fixture(scope="module")
+def first_runs(tmp_path_factory, seed_checkpoint):
+    """Both tests' 2-step runs, in one launch. Each test's failing resume has a launch of its own: it is
+    expected to fail, and its output is read for the message."""
+    dumps = {"model_only": tmp_path_factory.mktemp("model_only"), "full": tmp_path_factory.mktemp("full")}
+    check(torchrun_jobs(1, [
+        first_run(dumps["model_only"], seed_checkpoint),  # torchtitan's default: the last step is saved model-only
+        first_run(dumps["full"], seed_checkpoint, "--checkpoint.no-last-save-model-only"),
+    ]))
+    return dumps
 
 
 def resume(dump, seed):
@@ -118,28 +130,28 @@ def resume(dump, seed):
                     "--parallelism.tensor_parallel_degree", "1")
 
 
-def test_resuming_a_model_only_step_says_how_and_touches_nothing(tmp_path, seed_checkpoint):
-    first_run(tmp_path, seed_checkpoint)  # torchtitan's default: the last step is saved model-only
-    before = snapshot(tmp_path / "checkpoint")
-    proc = resume(tmp_path, seed_checkpoint)
+def test_resuming_a_model_only_step_says_how_and_touches_nothing(first_runs, seed_checkpoint):
+    dump = first_runs["model_only"]
+    before = snapshot(dump / "checkpoint")
+    proc = resume(dump, seed_checkpoint)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert f"{tmp_path / 'checkpoint' / 'step-2'} holds only the model" in out
+    assert f"{dump / 'checkpoint' / 'step-2'} holds only the model" in out
     assert "last_save_model_only = false" in out and "initial_load_path" in out and "load_step" in out
     assert "Missing key in checkpoint" not in out
-    assert snapshot(tmp_path / "checkpoint") == before
+    assert snapshot(dump / "checkpoint") == before
 
 
-def test_truncated_checkpoint_names_the_step_folder_and_touches_nothing(tmp_path, seed_checkpoint):
-    first_run(tmp_path, seed_checkpoint, "--checkpoint.no-last-save-model-only")
-    step = tmp_path / "checkpoint" / "step-2"
+def test_truncated_checkpoint_names_the_step_folder_and_touches_nothing(first_runs, seed_checkpoint):
+    dump = first_runs["full"]
+    step = dump / "checkpoint" / "step-2"
     data = max(step.glob("*.distcp"), key=lambda p: p.stat().st_size)
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
-    before = snapshot(tmp_path / "checkpoint")
-    proc = resume(tmp_path, seed_checkpoint)
+    before = snapshot(dump / "checkpoint")
+    proc = resume(dump, seed_checkpoint)
     assert proc.returncode != 0
     assert f"{step}: {data.name} is missing or truncated" in proc.stdout + proc.stderr
-    assert snapshot(tmp_path / "checkpoint") == before
+    assert snapshot(dump / "checkpoint") == before
     (step / ".metadata").write_bytes(b"not a pickle")
-    proc = resume(tmp_path, seed_checkpoint)
+    proc = resume(dump, seed_checkpoint)
     assert proc.returncode != 0 and f"{step}: the checkpoint's .metadata cannot be read" in proc.stdout + proc.stderr

@@ -3,18 +3,20 @@ run resumed from torchtitan's checkpoint continues at the same row of the data.
 
 Both start from conftest's seed checkpoint. The learning figures come from
 benchmarks/learning_signal.py, which runs the same training and scoring and plots them; the test
-scores through its --score mode.
+scores through its --score mode. The 2-rank runs (the offline run and the online example's two
+stages) share one launch; the resume test's two 1-rank runs have one each.
 """
 
 import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import CONFIG, REPO, check, scalars, torchrun, train
+from conftest import CONFIG, REPO, check, run, scalars, torchrun, torchrun_jobs
 
 STEPS = 40  # debug_cpu.toml's own [training] steps, TP=2 on 2 ranks
 # The held-out margin, mean over groups of mean log p(reward-1 completions) - mean log p(reward-0
@@ -36,17 +38,45 @@ def heldout_margins(*checkpoints):
     return [np.array(margins[str(c)]) for c in checkpoints]
 
 
-def test_grpo_raises_the_heldout_margin_with_bounded_kl(tmp_path_factory, seed_checkpoint):
-    run = train(tmp_path_factory, seed_checkpoint, "learning", 2, steps=STEPS)
-    before, after = heldout_margins(seed_checkpoint, run / "checkpoint" / f"step-{STEPS}")
+# The online example (train_configs/online_warmup_cpu.toml, then online_cpu.toml), shortened to 25
+# online steps. Over 5 seeds of the online run (its prompt order and every sampling key; the warm-up is
+# the test's; `benchmarks/learning_signal.py --online --seeds 0 1 2 3 4`, online_learning_seeds.csv),
+# held-out exact match rose from 31.2% by 6.2 points greedy (sd 0.8, smallest 5.5) and from 21.2% by 5.1
+# points sampled at temperature 1 (sd 1.0, smallest 3.5); the test's seed 0 by 5.9 and 5.1.
+ONLINE_STEPS = 25
+MIN_POINTS = {"greedy": 0.03, "sampled": 0.02}  # under 0.6x the smallest rise over seeds, 3-4 sds under the mean
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory, seed_checkpoint) -> dict[str, Path]:
+    """The online warm-up, the offline learning run, then the online run from the warm-up's last checkpoint:
+    one launch. The offline run sits between the two online stages, so the online run does not start in
+    the process right after the job that wrote its starting checkpoint."""
+    dumps = {name: tmp_path_factory.mktemp(name) for name in ("online_warmup", "learning", "online")}
+    start = dumps["online_warmup"] / "checkpoint" / "step-60"
+    check(torchrun_jobs(2, [
+        ["--job.config_file", "train_configs/online_warmup_cpu.toml", "--job.dump_folder", str(dumps["online_warmup"])],
+        ["--job.config_file", CONFIG, *run(seed_checkpoint, 2, steps=STEPS).overrides(dumps["learning"])],
+        ["--job.config_file", "train_configs/online_cpu.toml", "--job.dump_folder", str(dumps["online"]),
+         "--training.steps", str(ONLINE_STEPS), "--checkpoint.initial_load_path", str(start)],
+    ]))
+    return dumps
+
+
+def test_grpo_raises_the_heldout_margin_with_bounded_kl(two_rank_runs, seed_checkpoint):
+    dump = two_rank_runs["learning"]
+    before, after = heldout_margins(seed_checkpoint, dump / "checkpoint" / f"step-{STEPS}")
     assert after.mean() - before.mean() >= MIN_RISE, (before.mean(), after.mean())
-    kl = scalars(run)["grpo/kl"]
+    kl = scalars(dump)["grpo/kl"]
     assert len(kl) == STEPS and kl[0] == 0  # step 1 scores the reference's own weights
     assert all(0 < v < KL_MAX for v in kl[1:]), kl
 
 
 def test_resume_continues_at_the_same_row(tmp_path_factory, seed_checkpoint):
-    """4 steps with a checkpoint at step 2, then the same run resumed from that checkpoint: same steps 3 and 4."""
+    """4 steps with a checkpoint at step 2, then the same run resumed from that checkpoint: same steps 3 and 4.
+
+    Two launches: the resumed run must not follow the straight one in its process (state left there could
+    hide a resume bug), and step-4 is removed between them."""
     folder = tmp_path_factory.mktemp("resume") / "checkpoint"
     common = ["--training.steps", "4", "--parallelism.tensor_parallel_degree", "1", "--checkpoint.enable",
               "--checkpoint.initial_load_path", str(seed_checkpoint), "--checkpoint.folder", str(folder),
@@ -64,24 +94,11 @@ def test_resume_continues_at_the_same_row(tmp_path_factory, seed_checkpoint):
         assert b[tag] == a[tag][2:], tag
 
 
-# The online example (train_configs/online_warmup_cpu.toml, then online_cpu.toml), shortened to 25
-# online steps. Over 5 seeds of the online run (its prompt order and every sampling key; the warm-up is
-# the test's; `benchmarks/learning_signal.py --online --seeds 0 1 2 3 4`, online_learning_seeds.csv),
-# held-out exact match rose from 31.2% by 6.2 points greedy (sd 0.8, smallest 5.5) and from 21.2% by 5.1
-# points sampled at temperature 1 (sd 1.0, smallest 3.5); the test's seed 0 by 5.9 and 5.1.
-ONLINE_STEPS = 25
-MIN_POINTS = {"greedy": 0.03, "sampled": 0.02}  # under 0.6x the smallest rise over seeds, 3-4 sds under the mean
-
-
 @pytest.mark.slow
-def test_online_grpo_raises_heldout_exact_match(tmp_path_factory):
-    warm = tmp_path_factory.mktemp("online_warmup")
-    check(torchrun(2, "train_configs/online_warmup_cpu.toml", "--job.dump_folder", str(warm)))
-    start = warm / "checkpoint" / "step-60"
-    run = tmp_path_factory.mktemp("online")
-    check(torchrun(2, "train_configs/online_cpu.toml", "--job.dump_folder", str(run), "--training.steps",
-                   str(ONLINE_STEPS), "--checkpoint.initial_load_path", str(start)))
-    end = run / "checkpoint" / f"step-{ONLINE_STEPS}"
+def test_online_grpo_raises_heldout_exact_match(two_rank_runs):
+    dump = two_rank_runs["online"]
+    start = two_rank_runs["online_warmup"] / "checkpoint" / "step-60"
+    end = dump / "checkpoint" / f"step-{ONLINE_STEPS}"
     proc = subprocess.run([sys.executable, "benchmarks/learning_signal.py", "--accuracy", str(start), str(end)],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -89,5 +106,5 @@ def test_online_grpo_raises_heldout_exact_match(tmp_path_factory):
     before, after = accuracy[str(start)], accuracy[str(end)]
     for key, points in MIN_POINTS.items():
         assert after[key] - before[key] >= points, (key, before, after)
-    rewards = scalars(run)["grpo/reward_mean"]
+    rewards = scalars(dump)["grpo/reward_mean"]
     assert len(rewards) == ONLINE_STEPS and 0 < min(rewards) and max(rewards) < 1, rewards

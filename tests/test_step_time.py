@@ -1,4 +1,6 @@
-"""benchmarks/step_time.py runs end to end at a tiny shape (about 90 s on 2 cores); no timing is asserted."""
+"""benchmarks/step_time.py runs end to end at a tiny shape (about 90 s on 2 cores); no timing is asserted.
+
+Its 5 torchrun launches (one a variant) are the benchmark's own, as it runs them to time each variant."""
 
 import csv
 import os

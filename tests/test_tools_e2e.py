@@ -43,6 +43,8 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, seed_checkpoint, prompts) -> dict[str, Path]:
+    # a launch per layout, TP=2 and FSDP=2 not shared: each run counts its own tool calls, which toy_tools.echo
+    # writes to TOY_TOOL_LOG (the launch's environment) in files named by pid, the same for a launch's jobs
     out = {}
     for name, (nproc, *flags) in LAYOUTS.items():
         dump = out[name] = tmp_path_factory.mktemp(name.replace(" ", "_").replace("=", ""))
