@@ -9,6 +9,8 @@
    weights, the head resharded after forward, and bf16 parameters, against today's path.
 4. blocked_logprobs, the reference's pass in the same vocab blocks: log-probs and entropies against
    chunked_logprobs on one rank (eager and compiled) and against fp64 at TP=2.
+5. torchtitan's own train.py on 1, 2 and 4 ranks (TP, FSDP, HSDP), fused against unfused: the runs on
+   as many ranks share one torchrun launch.
 """
 
 import contextlib
@@ -19,7 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from conftest import build_model, ranks_result, run_ranks
+from conftest import build_model, ranks_result, run, run_ranks, scalars, train_runs
 from plugin.data.batch import Rollouts, loss_weights
 from plugin.scoring.logprobs import Scoring, blocked_logprobs, chunked_logprobs, compute_logprobs_and_entropy, fused_chunked_loss
 from test_logprobs import (
@@ -233,21 +235,32 @@ FSDP_CASES = {  # every case accumulates two microbatches, with an entropy bonus
 }
 
 
-def _fsdp_fused(rank, world_size, out):
+def _fsdp_fused(rank):
     """FSDP=2: the fused pass against today's path, each case from the same seed on both."""
     from torchtitan.distributed import ParallelDims
 
     pd = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=2)
     fsdp = ("--parallelism.data_parallel_shard_degree", "2")
-    results = {name: [train(fused, *case, *fsdp, microbatches=2, parallel_dims=pd, rank=rank)
-                      for fused in (True, False)] for name, case in FSDP_CASES.items()}
+    return {name: [train(fused, *case, *fsdp, microbatches=2, parallel_dims=pd, rank=rank)
+                   for fused in (True, False)] for name, case in FSDP_CASES.items()}
+
+
+def _model_ranks(rank, world_size, out):
+    """The model-level 2-rank comparisons, the FSDP cases and GSPO's sequence ratio, in one spawned group: each
+    pair (fused, today's path) is built from the same seed, so what ran before in the process is the same for both."""
+    results = {"fsdp": _fsdp_fused(rank), "sequence": _sequence_ranks(rank)}
     if rank == 0:
         torch.save(results, out)
 
 
 @pytest.fixture(scope="module")
-def fsdp_fused(tmp_path_factory):
-    return ranks_result(tmp_path_factory, "fsdp_fused", 2, _fsdp_fused)
+def model_ranks(tmp_path_factory):
+    return ranks_result(tmp_path_factory, "model_ranks", 2, _model_ranks)
+
+
+@pytest.fixture(scope="module")
+def fsdp_fused(model_ranks):
+    return model_ranks["fsdp"]
 
 
 @pytest.mark.parametrize("case", [c for c in FSDP_CASES if c != "bf16"])
@@ -343,7 +356,7 @@ def test_blocked_tp2(tp_fused, chunk_tokens, vocab_block):
     assert_check_passed(tp_fused, f"blocked_{chunk_tokens}_{vocab_block}")
 
 
-def _sequence_ranks(rank, world_size, out):
+def _sequence_ranks(rank):
     """GSPO's sequence-level ratio on 2 ranks, replayed batches: TP=2 (same batch on both ranks) and FSDP=2."""
     from torch.distributed.tensor.parallel import loss_parallel
     from torchtitan.distributed import ParallelDims
@@ -356,13 +369,12 @@ def _sequence_ranks(rank, world_size, out):
         with loss_parallel() if tp > 1 else contextlib.nullcontext():  # as torchtitan's train_context under TP
             results[name] = [train(fused, "seq_mean_token_mean", *flags, microbatches=2, parallel_dims=pd,
                                    rank=rank if dp > 1 else 0, replay=True) for fused in (True, False)]
-    if rank == 0:
-        torch.save(results, out)
+    return results
 
 
 @pytest.fixture(scope="module")
-def sequence_ranks(tmp_path_factory):
-    return ranks_result(tmp_path_factory, "sequence_ranks", 2, _sequence_ranks)
+def sequence_ranks(model_ranks):
+    return model_ranks["sequence"]
 
 
 @pytest.mark.parametrize("layout", ["tp2", "fsdp2"])
@@ -371,22 +383,29 @@ def test_fused_sequence_ratio_tp2_fsdp2(sequence_ranks, layout):
     assert_same(*sequence_ranks[layout])
 
 
-@pytest.mark.parametrize("nproc, tp, replicate", [(1, 1, 1), (2, 2, 1), (2, 1, 1), (4, 2, 1), (4, 1, 2)],
-                         ids=["1rank", "tp2", "fsdp2", "tp2_fsdp2", "hsdp2x2"])
-def test_fused_run_matches_todays_path(nproc, tp, replicate, seed_checkpoint, tmp_path_factory):
-    """torchtitan's own train.py, 2 steps with an entropy bonus and chunks: the same losses and grad norms.
+# (nproc, tp, replicate): the ranks TP and `replicate` (HSDP's replicas) leave over shard the model (FSDP)
+RUN_LAYOUTS = {"1rank": (1, 1, 1), "tp2": (2, 2, 1), "fsdp2": (2, 1, 1), "tp2_fsdp2": (4, 2, 1), "hsdp2x2": (4, 1, 2)}
 
-    The ranks TP and `replicate` (HSDP's replicas) leave over shard the model (FSDP).
-    """
-    from conftest import scalars, train
 
-    flags = ["--parallelism.tensor_parallel_degree", str(tp), "--parallelism.data_parallel_replicate_degree",
-             str(replicate), "--grpo.entropy_coef", "0.01", "--grpo.logprob_chunk_tokens", "64"]
-    want = scalars(train(tmp_path_factory, seed_checkpoint, f"unfused_{nproc}", nproc, *flags,
-                         "--grpo.no_fused_policy_pass", steps=2))
-    got = scalars(train(tmp_path_factory, seed_checkpoint, f"fused_{nproc}", nproc, *flags,
-                        "--grpo.fused_policy_pass", steps=2))
+@pytest.fixture(scope="module")
+def fused_runs(seed_checkpoint, tmp_path_factory):
+    """torchtitan's own train.py, 2 steps with an entropy bonus and chunks, fused and unfused on every layout:
+    the runs on as many ranks share a launch (3 in all)."""
+    runs = {}
+    for layout, (nproc, tp, replicate) in RUN_LAYOUTS.items():
+        flags = ["--parallelism.tensor_parallel_degree", str(tp), "--parallelism.data_parallel_replicate_degree",
+                 str(replicate), "--grpo.entropy_coef", "0.01", "--grpo.logprob_chunk_tokens", "64"]
+        runs[f"unfused_{layout}"] = run(seed_checkpoint, nproc, *flags, "--grpo.no_fused_policy_pass", steps=2)
+        runs[f"fused_{layout}"] = run(seed_checkpoint, nproc, *flags, "--grpo.fused_policy_pass", steps=2)
+    return {name: scalars(dump) for name, dump in train_runs(tmp_path_factory, runs).items()}
+
+
+@pytest.mark.parametrize("layout", list(RUN_LAYOUTS))
+def test_fused_run_matches_todays_path(fused_runs, layout):
+    """The fused and the unfused run: the same losses, grad norms, entropies and KL at both steps."""
+    want, got = fused_runs[f"unfused_{layout}"], fused_runs[f"fused_{layout}"]
     for tag in ("loss_metrics/global_avg_loss", "grad_norm", "grpo/entropy", "grpo/kl"):
+        assert len(want[tag]) == len(got[tag]) == 2, tag
         assert got[tag] == pytest.approx(want[tag], rel=1e-4, abs=1e-7), tag
 
 

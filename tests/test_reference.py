@@ -3,8 +3,9 @@
 Simplifications:
 1. Fast tests build the GRPO model in one process as torchtitan's Trainer does (meta init,
    parallelize, to_empty, init_weights); sharded models only appear in the torchrun tests.
-2. End-to-end tests launch torchtitan's own train.py (~15 s a launch on 2 cores), all from
-   the session's seed checkpoint, with 2-6 steps.
+2. End-to-end tests run torchtitan's training jobs, all from the session's seed checkpoint, with 2-6
+   steps: the 2-rank runs in one torchrun launch, the 1-rank runs in another (conftest's torchrun_jobs:
+   a launch's start-up, most of a short run's time on 2 cores, is paid once).
 3. Offload cannot move anything on a CPU-only machine: only its being a no-op there is tested.
 """
 
@@ -17,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from torchtitan.protocols.train_spec import get_train_spec
 
-from conftest import CONFIG, REPO, build_model, check, parse_config, read_checkpoint, scalars_by_step, torchrun
+from conftest import CONFIG, REPO, build_model, check, job_logs, parse_config, read_checkpoint, scalars_by_step, torchrun_jobs
 from fixtures.make_old_checkpoint import flat, step  # seeded gradients and an optimizer step; the weights as a vector
 from plugin import config as grpo_config
 from plugin.model.reference import load_reference_checkpoint, reference_entries
@@ -56,11 +57,20 @@ def hf_adapter(cfg):
     return spec.state_dict_adapter(spec.model_args[cfg.model.flavor], None)
 
 
-def launch(dump: Path, seed: Path, nproc: int, steps: int, *extra: str):
-    proc = torchrun(nproc, CONFIG, "--job.dump_folder", str(dump), "--training.steps", str(steps),
-                    "--checkpoint.enable", "--checkpoint.initial_load_path", str(seed), *extra)
+def job(dump: Path, seed: Path, steps: int, *extra: str) -> list[str]:
+    """A training job's arguments: the bundled config from `seed`'s weights, `steps` steps."""
+    return ["--job.config_file", CONFIG, "--job.dump_folder", str(dump), "--training.steps", str(steps),
+            "--checkpoint.enable", "--checkpoint.initial_load_path", str(seed), *extra]
+
+
+def launch(nproc: int, jobs: list[list[str]]) -> tuple:
+    """The jobs one after another in one torchrun launch (a job may read what an earlier one saved): the
+    launch, and rank 0's log of each job (torchtitan's logger writes to stdout)."""
+    proc = torchrun_jobs(nproc, jobs)
     check(proc)
-    return proc
+    logs = job_logs(proc)
+    assert len(logs) == len(jobs), proc.stdout[-4000:]
+    return proc, logs
 
 
 @pytest.mark.parametrize(
@@ -216,20 +226,59 @@ def test_sync_moves_reference_toward_policy_and_survives_resume():
     torch.testing.assert_close(flat(resumed.reference.module), alpha * flat(resumed) + (1 - alpha) * ref2, rtol=1e-6, atol=1e-7)
 
 
-@pytest.fixture(scope="module")
-def exports(tmp_path_factory, seed_checkpoint) -> dict[str, Path]:
-    """The policy after 2 steps, exported model-only as DCP (FSDP=2) and as HF safetensors (TP=2).
+RESUME_STEPS, RESUME_AT = 6, 3
 
-    The FSDP run also syncs its reference every step: FSDP's sharded parameters are updated in place.
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory, seed_checkpoint) -> dict:
+    """Every 2-rank run, in one launch, in this order (each job reads only what earlier ones saved):
+
+    1. export_hf: the policy after 2 steps (TP=2), exported model-only as HF safetensors.
+    2. split: TP=2, the reference from that export, synced every 2 steps: the first 3 of 6 steps.
+    3. straight: the same 6 steps in one go.
+    4. export_dcp: the policy after 2 steps at FSDP=2, exported model-only as DCP; it also syncs its
+       reference every step (FSDP's sharded parameters are updated in place).
+    5. split's resume from its step-3 checkpoint, to match straight. Not right after split or straight:
+       export_dcp, a different run, comes between, so that what they leave in the process could not pass
+       for what the resume must restore.
     """
-    dcp_dump, hf_dump = tmp_path_factory.mktemp("export_dcp"), tmp_path_factory.mktemp("export_hf")
-    common = ("--checkpoint.interval", "1000", "--checkpoint.last_save_model_only")
-    launch(dcp_dump, seed_checkpoint, 2, EXPORT_STEPS, *common, "--parallelism.tensor_parallel_degree", "1",
-           "--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "8",
-           "--reference_model.sync_steps", "1", "--reference_model.sync_alpha", "0.5")
-    launch(hf_dump, seed_checkpoint, 2, EXPORT_STEPS, *common, "--checkpoint.last_save_in_hf")
-    step = f"checkpoint/step-{EXPORT_STEPS}"
-    return {"dcp": dcp_dump / step, "hf": hf_dump / step}
+    names = ("export_hf", "split", "straight", "export_dcp")
+    dumps = {name: tmp_path_factory.mktemp(name) for name in names}
+    export_hf = dumps["export_hf"] / f"checkpoint/step-{EXPORT_STEPS}"
+    export = ("--checkpoint.interval", "1000", "--checkpoint.last_save_model_only")
+    resume = ("--checkpoint.interval", str(RESUME_AT), "--checkpoint.no-last-save-model-only",
+              "--lr_scheduler.total_steps", str(RESUME_STEPS),  # the same LR schedule for the 3-step run
+              "--reference_model.checkpoint_path", str(export_hf),
+              "--reference_model.sync_steps", "2", "--reference_model.sync_alpha", "0.5")
+    jobs = [
+        job(dumps["export_hf"], seed_checkpoint, EXPORT_STEPS, *export, "--checkpoint.last_save_in_hf"),
+        job(dumps["split"], seed_checkpoint, RESUME_AT, *resume),
+        job(dumps["straight"], seed_checkpoint, RESUME_STEPS, *resume),
+        job(dumps["export_dcp"], seed_checkpoint, EXPORT_STEPS, *export, "--parallelism.tensor_parallel_degree", "1",
+            "--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "8",
+            "--reference_model.sync_steps", "1", "--reference_model.sync_alpha", "0.5"),
+        job(dumps["split"], seed_checkpoint, RESUME_STEPS, *resume),
+    ]
+    proc, logs = launch(2, jobs)
+    return {**dumps, "resume_log": logs[-1], "stderr": proc.stderr}
+
+
+@pytest.fixture(scope="module")
+def exports(two_rank_runs) -> dict[str, Path]:
+    """The policy after 2 steps, exported model-only as DCP (FSDP=2) and as HF safetensors (TP=2)."""
+    return {fmt: two_rank_runs[f"export_{fmt}"] / f"checkpoint/step-{EXPORT_STEPS}" for fmt in ("dcp", "hf")}
+
+
+@pytest.fixture(scope="module")
+def one_rank_runs(tmp_path_factory, seed_checkpoint, exports) -> dict:
+    """The 1-rank runs, 2 steps each, in one launch: [grpo] beta = 0 first (its log is checked: it runs in a fresh
+    process, as in a launch of its own), then one from the HF export's weights ([checkpoint] initial_load_in_hf)."""
+    dumps = {name: tmp_path_factory.mktemp(name) for name in ("beta_zero", "hf_initial")}
+    common = ("--parallelism.tensor_parallel_degree", "1", "--checkpoint.no-last-save-model-only",
+              "--checkpoint.interval", "1000")
+    proc, logs = launch(1, [job(dumps["beta_zero"], seed_checkpoint, 2, "--grpo.beta", "0", *common),
+                            job(dumps["hf_initial"], exports["hf"], 2, "--checkpoint.initial_load_in_hf", *common)])
+    return {**dumps, "beta_zero_log": logs[0], "stderr": proc.stderr}
 
 
 def test_exports_hold_exactly_the_policy(exports, seed_checkpoint):
@@ -252,56 +301,40 @@ def test_load_reference_checkpoint(exports, fmt):
         assert torch.equal(got[k], v), k
 
 
-def test_reference_starts_from_hf_initial_weights(tmp_path, exports):
+def test_reference_starts_from_hf_initial_weights(one_rank_runs, exports):
     """[checkpoint] initial_load_in_hf: the policy and so the reference start from the HF weights."""
-    launch(tmp_path, exports["hf"], 1, 2, "--checkpoint.initial_load_in_hf", "--parallelism.tensor_parallel_degree", "1",
-           "--checkpoint.no-last-save-model-only", "--checkpoint.interval", "1000")
+    dump = one_rank_runs["hf_initial"]
     expected = hf_adapter(parse()).from_hf(hf_export(exports["hf"]))
-    reference = reference_of(read_checkpoint(tmp_path / "checkpoint/step-2"))
+    reference = reference_of(read_checkpoint(dump / "checkpoint/step-2"))
     assert set(reference) == set(expected)
     assert all(torch.equal(reference[k], v) for k, v in expected.items())
-    assert scalars_by_step(tmp_path)["grpo/kl"][1] == 0
+    assert scalars_by_step(dump)["grpo/kl"][1] == 0
 
 
-RESUME_STEPS, RESUME_AT = 6, 3
-
-
-@pytest.fixture(scope="module")
-def resumed_runs(tmp_path_factory, seed_checkpoint, exports) -> dict:
-    """TP=2, reference from the HF export, synced every 2 steps: 6 steps straight, and 3 + resume + 3."""
-    flags = ("--checkpoint.interval", str(RESUME_AT), "--checkpoint.no-last-save-model-only",
-             "--lr_scheduler.total_steps", str(RESUME_STEPS),  # the same LR schedule for the 3-step launch
-             "--reference_model.checkpoint_path", str(exports["hf"]),
-             "--reference_model.sync_steps", "2", "--reference_model.sync_alpha", "0.5")
-    straight, split = tmp_path_factory.mktemp("straight"), tmp_path_factory.mktemp("split")
-    launch(straight, seed_checkpoint, 2, RESUME_STEPS, *flags)
-    launch(split, seed_checkpoint, 2, RESUME_AT, *flags)
-    second = launch(split, seed_checkpoint, 2, RESUME_STEPS, *flags)
-    return {"straight": straight, "split": split, "second_log": second.stdout + second.stderr}
-
-
-def test_resume_continues_bitwise(resumed_runs):
-    straight, split = (scalars_by_step(resumed_runs[k]) for k in ("straight", "split"))
+def test_resume_continues_bitwise(two_rank_runs):
+    """TP=2, the reference from the HF export, synced every 2 steps: 6 steps straight, and 3 + resume + 3."""
+    straight, split = (scalars_by_step(two_rank_runs[k]) for k in ("straight", "split"))
     assert sorted(split["loss_metrics/global_avg_loss"]) == list(range(1, RESUME_STEPS + 1))
     for tag in ("loss_metrics/global_avg_loss", "grad_norm", "grpo/kl"):
         assert split[tag] == straight[tag], tag
     assert straight["grpo/kl"][1] > 0  # the reference came from checkpoint_path, not the policy
 
-    end = {k: read_checkpoint(resumed_runs[k] / f"checkpoint/step-{RESUME_STEPS}") for k in ("straight", "split")}
+    end = {k: read_checkpoint(two_rank_runs[k] / f"checkpoint/step-{RESUME_STEPS}") for k in ("straight", "split")}
     ref_straight, ref_split = reference_of(end["straight"]), reference_of(end["split"])
     assert ref_straight and set(ref_straight) == set(ref_split)
     assert all(torch.equal(v, ref_split[k]) for k, v in ref_straight.items())
     # the resume restored the saved (synced) reference instead of reloading checkpoint_path
-    log = resumed_runs["second_log"]
+    log = two_rank_runs["resume_log"]
     assert "Reference model restored from the checkpoint" in log and "loaded from [reference_model]" not in log
+    # stderr is the whole launch's: the check holds for every job there
+    assert "loaded from [reference_model]" not in two_rank_runs["stderr"]
 
 
-def test_beta_zero_run_has_no_reference(tmp_path, seed_checkpoint):
-    proc = launch(tmp_path, seed_checkpoint, 1, 2, "--grpo.beta", "0", "--parallelism.tensor_parallel_degree", "1",
-                  "--checkpoint.no-last-save-model-only", "--checkpoint.interval", "1000")
-    log = proc.stdout + proc.stderr
+def test_beta_zero_run_has_no_reference(one_rank_runs):
+    dump, log = one_rank_runs["beta_zero"], one_rank_runs["beta_zero_log"]
     assert "[grpo] beta = 0: no reference model is built" in log and "Reference model" not in log
-    tags = scalars_by_step(tmp_path)
+    assert "Reference model" not in one_rank_runs["stderr"]  # the whole launch's stderr: no job writes it there
+    tags = scalars_by_step(dump)
     assert "loss_metrics/global_avg_loss" in tags
     assert not [t for t in tags if t.startswith("grpo/ref_")]
-    assert not reference_of(read_checkpoint(tmp_path / "checkpoint/step-2"))
+    assert not reference_of(read_checkpoint(dump / "checkpoint/step-2"))
