@@ -6,9 +6,9 @@ JOBS.json is a list of jobs, each the argument list `-m torchtitan.train` would 
 {"argv": [...], "fails": true} for a job that must stop with an error (on one rank only: a rank that
 fails alone leaves its peers waiting): its traceback is logged and the next job runs. Every job runs
 as torchtitan.train's `main` runs it: its own config, Trainer, process group and seed; torchtitan's
-seed-checkpoint mode too. Each job's log starts with a "run_jobs: job N of M" line. What a job shares with the one before is the process: imports, the
-inductor cache on disk, and memory already taken from the system (a launch's memory figures are
-its own only in a launch of its own).
+seed-checkpoint mode too. Each job's log starts with a "run_jobs: job N of M" line. What a job
+shares with the one before is the process: imports, the inductor cache on disk, and memory already
+taken from the system (a launch's memory figures are its own only in a launch of its own).
 
 Why: a launch spends most of a short test run starting up (seen here: 11 of 16 s for a 2-step
 2-rank run, the two ranks importing torchtitan on 2 cores), so one launch checks several runs.
