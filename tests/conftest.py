@@ -49,7 +49,26 @@ def _launches(fn, seen: set) -> bool:
     return bool(names & {"torchrun", "torchrun_jobs", "run_ranks"}) or any(_launches(fn.__globals__.get(name), seen) for name in names)
 
 
+# The files that take longest (docs/architecture.md's table), in that order: pytest-xdist's 2 workers (pyproject's
+# addopts, `--dist loadfile`) take whole files in collection order, so these start first and the workers end together.
+LONGEST_FIRST = ["test_gpu_twin.py", "test_sampler.py", "test_e2e.py", "test_learning.py", "test_fused.py",
+                 "test_smollm2.py", "test_online_e2e.py", "test_step_time.py"]
+
+
+def pytest_configure(config):
+    # a worker of pytest-xdist shares the cores with the others: one intra-op thread each on CI's 2 cores (2 threads
+    # each made the quick subset 2.4x slower than 1 thread each: they spin while the other worker computes). Child
+    # processes inherit it; torchrun launches already give each rank 1 (`_launch`).
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
 def pytest_collection_modifyitems(items):
+    order = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: a file's tests keep their order
     # `-m "not slow"` is the quick local subset: a test that launches torchrun or spawns gloo ranks, in its body or
     # in a fixture it uses, is slow; tests that compile with inductor or run a benchmark's jobs are marked by hand
     for item in items:
