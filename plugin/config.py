@@ -5,6 +5,7 @@ while the config is parsed; `validate_job` checks what spans sections, once, at 
 """
 
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
@@ -371,6 +372,7 @@ def validate_job(job_config) -> None:
             raise ValueError(f"[parallelism] {kind}_parallel_degree = {degree}: {kind} parallelism "
                              f"is not supported by the GRPO models yet{hint}")
     tp = p.tensor_parallel_degree
+    check_expert_parallel(job_config)
     compile_model = job_config.compile.enable and "model" in job_config.compile.components
     if cpu.is_active() and tp > 1 and compile_model and job_config.activation_checkpoint.mode != "none":
         # seen with torch 2.13 on CPU, selective and full AC alike: AOTAutograd saves a DeviceMesh for backward
@@ -394,6 +396,41 @@ def validate_job(job_config) -> None:
     check_evaluation(job_config)
     check_resume_checkpoint(job_config)
     check_restart_launch()
+
+
+def check_expert_parallel(job_config) -> None:
+    """[parallelism] expert_parallel_degree (EP) as torchtitan can carve it: a mixture-of-experts flavor, EP dividing
+    its experts (each rank holds an equal share) and the ranks that hold different tokens (EP is carved out of them:
+    FSDP's, with expert_tensor_parallel_degree = tensor_parallel_degree; FSDP's times TP's with 1)."""
+    p, m = job_config.parallelism, job_config.model
+    ep = p.expert_parallel_degree
+    if ep <= 1:
+        return
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    args = get_train_spec(m.name).model_args.get(m.flavor)
+    if args is None or not getattr(args, "moe_enabled", False):
+        raise ValueError(f"[parallelism] expert_parallel_degree = {ep} needs a mixture-of-experts flavor: "
+                         f"[model] {m.name} flavor {m.flavor!r} has no experts (grpo_qwen3: debugmodel_moe_small, "
+                         "debugmodel_moe, 30B-A3B, 235B-A22B)")
+    experts = args.moe_args.num_experts
+    if experts % ep:
+        raise ValueError(f"[parallelism] expert_parallel_degree = {ep} must divide the {experts} experts of "
+                         f"[model] flavor {m.flavor!r}")
+    tp, etp = p.tensor_parallel_degree, p.expert_tensor_parallel_degree
+    if etp not in (1, tp):
+        raise ValueError(f"[parallelism] expert_tensor_parallel_degree = {etp} with expert_parallel_degree = {ep}: "
+                         f"torchtitan takes 1 or tensor_parallel_degree ({tp})")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    shard = p.data_parallel_shard_degree
+    if shard < 0:
+        shard = world // max(1, p.data_parallel_replicate_degree * p.context_parallel_degree * tp
+                             * p.pipeline_parallel_degree)
+    ranks, which = (shard * p.context_parallel_degree, "data_parallel_shard_degree") if etp == tp else \
+        (shard * p.context_parallel_degree * tp, "data_parallel_shard_degree x tensor_parallel_degree")
+    if ranks % ep:
+        raise ValueError(f"[parallelism] expert_parallel_degree = {ep} must divide {which} ({ranks}), "
+                         f"the ranks it is carved from (expert_tensor_parallel_degree = {etp})")
 
 
 def check_evaluation(job_config) -> None:

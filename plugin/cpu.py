@@ -1,5 +1,6 @@
 """What torchtitan 0.2.2 needs to train on a CPU-only machine over gloo, and only that."""
 
+import functools
 import importlib
 import os
 import platform
@@ -120,6 +121,29 @@ def _sdpa_on_local_heads(self, q, k, v, **kwargs):
     return DTensor.from_local(out, q.device_mesh, heads, run_check=False)
 
 
+_histc = torch.histc
+
+
+def _histc_integers(input, bins=100, min=0, max=0, *, out=None):
+    """torch.histc, which CUDA computes on integer tensors and CPU only on floating ones ("histogram_cpu" not
+    implemented for 'Long', pytorch/pytorch#74236): torchtitan's MoE router counts the tokens per expert with it.
+
+    Integers go through float64, exact for counts below 2**53, and come back in their own dtype, as on CUDA."""
+    if input.is_floating_point() or out is not None:
+        return _histc(input, bins=bins, min=min, max=max, **({} if out is None else {"out": out}))
+    return _histc(input.to(torch.float64), bins=bins, min=min, max=max).to(input.dtype)
+
+
+def _moe_on_cpu() -> None:
+    """torchtitan's MoE layers (qwen3's MoE flavors) on the CPU: integer histc, and the permutation of tokens to their
+    experts by the CPU version torchtitan ships (`use_cpu=True`) rather than its Triton kernel ("0 active drivers")."""
+    from torchtitan.models.moe import kernels, utils
+
+    torch.histc = _histc_integers
+    # moe.utils imported the function by name: its `_permute` (grouped experts, and every EP dispatch) calls that name
+    utils.generate_permute_indices = functools.partial(kernels.generate_permute_indices, use_cpu=True)
+
+
 def activate() -> bool:
     """Point torchtitan at the CPU when no accelerator is present; True if patched."""
     global _active
@@ -144,6 +168,8 @@ def activate() -> bool:
     # The CPU flash-attention kernel has no DTensor sharding strategy (CUDA's kernels do):
     # "aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy".
     ScaledDotProductAttentionWrapper.forward = _sdpa_on_local_heads
+
+    _moe_on_cpu()
 
     _active = True
     return True

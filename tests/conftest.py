@@ -312,9 +312,11 @@ def _seed_args(dump: Path, *overrides: str) -> list[str]:
 @pytest.fixture(scope="session")
 def seed_checkpoints(tmp_path_factory) -> dict[str, Path]:
     """torchtitan's seed checkpoints (1 rank), made in one launch: the bundled config's llama3 debugmodel, and
-    qwen3's debugmodel_small (plugin.model.qwen3)."""
-    dumps = {"grpo_llama3": tmp_path_factory.mktemp("seed"), "grpo_qwen3": tmp_path_factory.mktemp("seed_qwen3")}
-    flags = {"grpo_llama3": [], "grpo_qwen3": ["--model.name", "grpo_qwen3", "--model.flavor", "debugmodel_small"]}
+    qwen3's debugmodel_small and debugmodel_moe_small (plugin.model.qwen3)."""
+    dumps = {"grpo_llama3": tmp_path_factory.mktemp("seed"), "grpo_qwen3": tmp_path_factory.mktemp("seed_qwen3"),
+             "grpo_qwen3_moe": tmp_path_factory.mktemp("seed_qwen3_moe")}
+    flags = {"grpo_llama3": [], "grpo_qwen3": ["--model.name", "grpo_qwen3", "--model.flavor", "debugmodel_small"],
+             "grpo_qwen3_moe": ["--model.name", "grpo_qwen3", "--model.flavor", "debugmodel_moe_small"]}
     check(torchrun_jobs(1, [_seed_args(dump, *flags[model]) for model, dump in dumps.items()]))
     return {model: dump / "checkpoint" / "step-0" for model, dump in dumps.items()}
 
