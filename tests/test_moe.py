@@ -24,6 +24,7 @@ FSDP2 = ["--parallelism.data_parallel_shard_degree", "2"]
 EP2 = ["--parallelism.expert_parallel_degree", "2"]
 LAYOUTS = {
     "single": (1, NO_TP),
+    "compiled": (1, [*NO_TP, "--compile.enable", "--reference_model.compile"]),
     "fsdp2": (2, [*NO_TP, *FSDP2, *HALF]),
     "fsdp2_ep2": (2, [*NO_TP, *FSDP2, *EP2, *HALF]),
     "tp2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
@@ -62,8 +63,9 @@ def test_fsdp_and_expert_parallel_train_as_one_rank(runs, name):
 # Under TP the attention output is summed across ranks in another order, and the router of a randomly initialised
 # model scores its 8 experts nearly alike (softmax of gates near 0): a few near-tie tokens pick another expert, which
 # moves the small KL (seen: 1.4e-3 relative at step 2, 3e-3 at step 3, on tp2 and on TP x FSDP x EP; with the experts'
-# grouped matmuls in fp32 as well), while losses, grad norms and entropies stay within 1e-4 (seen: 6e-5).
-TP_KL_RTOL = 1e-2
+# grouped matmuls in fp32 as well; 6.8e-3 for the compiled run below), while losses, grad norms and entropies stay
+# within 1e-4 (seen: 6e-5).
+TP_KL_RTOL = 2e-2
 
 
 @pytest.mark.parametrize("name", ["tp2", "tp2_fsdp2_ep2"])
@@ -72,6 +74,20 @@ def test_tensor_parallel_layouts_train_as_one_rank(runs, name):
     for tag in TAGS:
         assert other[tag] == pytest.approx(single[tag], rel=RTOL), tag
     assert other["grpo/kl"][1:] == pytest.approx(single["grpo/kl"][1:], rel=TP_KL_RTOL)
+
+
+# inductor fuses and reorders the fp32 math before the experts' bf16 cast (torchtitan's grouped matmuls), so a few
+# inputs round to another bf16 value: seen 1.4e-4 relative on step 3's loss (dense compiled runs agree to 1e-4)
+COMPILED_TOL = {"loss_metrics/global_avg_loss": 1e-3, "grad_norm": 1e-3, "grpo/entropy": 1e-4, "grpo/kl": TP_KL_RTOL}
+
+
+def test_compiled_run_trains_as_the_eager_one(runs):
+    """Compiled blocks (torchtitan compiles an MoE block's attention and experts one by one), loss and reference."""
+    single, compiled = runs["single"], runs["compiled"]
+    for tag, rel in COMPILED_TOL.items():
+        print(tag, [f"{abs(a - b) / max(abs(b), 1e-30):.1e}" for a, b in zip(compiled[tag], single[tag])])
+        assert len(compiled[tag]) == STEPS
+        assert compiled[tag] == pytest.approx(single[tag], rel=rel, abs=1e-12), tag
 
 
 @pytest.mark.parametrize("name", list(ONLINE))

@@ -178,6 +178,10 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
 def use_packed_attention(model: nn.Module) -> None:
     """Every attention of `model` takes varlen boundaries and attends within each sequence (see the module's doc)."""
     for m in attention_modules(model):
+        # torchtitan's compile of MoE blocks wraps each attention on its own: modules() yields the compiled wrapper
+        # and the module it wraps, whose attributes are one (the wrapper's setattr writes to the module)
+        if isinstance(m.inner_attention, PackedAttention):
+            continue
         if m.attn_type != "sdpa":
             raise ValueError(f"[grpo] padding_free = true needs the flavor's SDPA attention; this one has attn_type = "
                              f"{m.attn_type!r}: choose an sdpa [model] flavor or set [grpo] padding_free = false")
