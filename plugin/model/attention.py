@@ -171,17 +171,16 @@ class PackedAttention(nn.Module):
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The model's attention modules: those with an `inner_attention` (the plugin's model-family contract)."""
-    return [m for m in model.modules() if isinstance(getattr(m, "inner_attention", None), nn.Module)]
+    """The model's attention modules: those with an `inner_attention` submodule (the plugin's model-family contract).
+
+    Each once: torchtitan's compile of MoE blocks wraps each attention on its own, and the compiled wrapper reads
+    and writes the wrapped module's attributes without holding `inner_attention` as a child of its own."""
+    return [m for m in model.modules() if "inner_attention" in dict(m.named_children())]
 
 
 def use_packed_attention(model: nn.Module) -> None:
     """Every attention of `model` takes varlen boundaries and attends within each sequence (see the module's doc)."""
     for m in attention_modules(model):
-        # torchtitan's compile of MoE blocks wraps each attention on its own: modules() yields the compiled wrapper
-        # and the module it wraps, whose attributes are one (the wrapper's setattr writes to the module)
-        if isinstance(m.inner_attention, PackedAttention):
-            continue
         if m.attn_type != "sdpa":
             raise ValueError(f"[grpo] padding_free = true needs the flavor's SDPA attention; this one has attn_type = "
                              f"{m.attn_type!r}: choose an sdpa [model] flavor or set [grpo] padding_free = false")
