@@ -170,7 +170,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn, args, errors) -> None:
+def _worker(rank: int, world_size: int, port: int, fn, args, errors: str) -> None:
     # a rank that crashes in C++ (a full run here saw one SIGSEGV in the TP=2 sampler fixture) prints
     # every thread's Python stack to the test's captured stderr, as torchrun's workers do
     faulthandler.enable()
@@ -186,7 +186,9 @@ def _worker(rank: int, world_size: int, port: int, fn, args, errors) -> None:
         # ("terminate called without an active exception") after a fused FSDP test's work was done
         dist.barrier()
     except Exception:
-        errors.put((rank, traceback.format_exc()))
+        # into a file, not a pipe: a traceback longer than the pipe's buffer blocked the rank's exit while the parent
+        # waited for that exit before it read the pipe (a hang, not a failure)
+        Path(errors, f"rank{rank}").write_text(traceback.format_exc())
         raise
     finally:
         gc.collect()  # frames kept by exception cycles (pytest.raises) hold process groups and meshes: free them now
@@ -202,8 +204,7 @@ def _worker(rank: int, world_size: int, port: int, fn, args, errors) -> None:
 def run_ranks(world_size: int, fn, *args) -> None:
     """Run fn(rank, world_size, *args) on `world_size` gloo ranks; re-raise any rank's failure."""
     TALLY.running["spawned"] += 1
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
+    errors = tempfile.mkdtemp(prefix="rank_errors_")
     try:
         mp.start_processes(_worker, args=(world_size, _free_port(), fn, args, errors), nprocs=world_size,
                            start_method="spawn")
@@ -211,10 +212,11 @@ def run_ranks(world_size: int, fn, *args) -> None:
         # a rank that raised sent its traceback; one killed by a signal (SIGSEGV, SIGABRT) printed its Python stack
         # to stderr through faulthandler, and torch's ProcessExitedException names the rank and the signal
         msgs = [f"{type(e).__name__}: {e}"]
-        while not errors.empty():
-            rank, tb = errors.get()
-            msgs.append(f"--- rank {rank} ---\n{tb}")
+        for tb in sorted(Path(errors).iterdir(), key=lambda f: int(f.name[4:])):
+            msgs.append(f"--- rank {tb.name[4:]} ---\n{tb.read_text()}")
         pytest.fail("\n".join(msgs), pytrace=False)
+    finally:
+        shutil.rmtree(errors, ignore_errors=True)
 
 
 def ranks_result(tmp_path_factory, name: str, world_size: int, fn, *args):

@@ -23,3 +23,16 @@ def test_a_crashed_rank_fails_the_test_with_its_signal_and_stack(capfd):
         run_ranks(2, _rank_1_crashes)
     assert "process 1 terminated with signal SIGSEGV" in str(failure.value)
     assert "Fatal Python error: Segmentation fault" in capfd.readouterr().err  # faulthandler's stack of rank 1
+
+
+def _rank_1_raises_at_length(rank, world_size):
+    if rank == 1:
+        raise ValueError("x" * 200_000)  # a traceback longer than a pipe's 64 KiB buffer
+
+
+def test_a_long_traceback_fails_the_test():
+    """A rank's traceback longer than a pipe holds still reaches the failure (it once hung the test instead)."""
+    with pytest.raises(pytest.fail.Exception) as failure:
+        run_ranks(2, _rank_1_raises_at_length)
+    message = str(failure.value)
+    assert "--- rank 1 ---" in message and "ValueError: " + "x" * 200_000 in message
