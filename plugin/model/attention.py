@@ -144,14 +144,15 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: 
 
         return varlen_attn(q, k, v, bounds.cu_seq_q, bounds.cu_seq_k, bounds.max_q, bounds.max_k, scale=scale,
                            window_size=(-1, 0), enable_gqa=q.shape[1] != k.shape[1])
+    if torch.compiler.is_compiling():
+        # one opaque op for any lengths: a branch on max_q here would make every new longest length a recompile
+        return _attend_each_op(q, k, v, bounds.cu_seq_q, scale)
     n_seqs = bounds.cu_seq_q.numel() - 1
     if bounds.max_q * n_seqs == q.shape[0]:
         # equal lengths (a padded batch): one batched call
         q, k, v = (t.view(n_seqs, bounds.max_q, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
         return out.transpose(1, 2).flatten(0, 1)
-    if torch.compiler.is_compiling():
-        return _attend_each_op(q, k, v, bounds.cu_seq_q, scale)
     return _attend_each(q, k, v, bounds.cu_seq_q.tolist(), scale)
 
 

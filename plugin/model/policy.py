@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.models.attention import VarlenMetadata
 
 from plugin.model.attention import sequence_bounds, use_packed_attention
 from plugin.model.reference import Reference
@@ -68,6 +69,21 @@ class PolicyOutput:
                        unpack=None), u(labels, IGNORE_INDEX)
 
 
+def _lengths_vary(block: nn.Module, args: tuple, rope_rows: int) -> None:
+    """A block's forward pre-hook: its inputs' token counts vary, so a compiled block is traced for any length from
+    its first call. Else dynamo specializes the first graph on the first batch's lengths, and every block of the
+    policy and the reference recompiles at the second step (seen: 53 of a 3-step, 4-rank run's 173 s)."""
+    if torch.compiler.is_compiling():  # traced as part of a compiled caller (the sampler's decode step)
+        return
+    h, rope, attention_masks = args[0], args[1], args[2] if len(args) > 2 else None
+    torch._dynamo.maybe_mark_dynamic(h, 1)
+    if rope.shape[0] != rope_rows:  # a packed row's table rows at its positions (trunk), not the whole table
+        torch._dynamo.maybe_mark_dynamic(rope, 0)
+    if isinstance(attention_masks, VarlenMetadata):  # a packed row's count of sequences
+        torch._dynamo.maybe_mark_dynamic(attention_masks.cu_seq_q, 0)
+        torch._dynamo.maybe_mark_dynamic(attention_masks.cu_seq_k, 0)
+
+
 class GRPOModel:
     """Mixin over torchtitan's model class: scores labels, owns the frozen reference."""
 
@@ -95,6 +111,11 @@ class GRPOModel:
         self.head_reshard_after_forward, self.sequence_ratio = head_reshard_after_forward, sequence_ratio
         if padding_free:
             use_packed_attention(self)
+        rope_rows = getattr(self, self.rope_buffer).shape[0]
+        for layer in self.layers.values():
+            # after FSDP's pre-forward hook (registered first, and prepended), which casts the inputs under mixed
+            # precision into tensors of its own
+            layer.register_forward_pre_hook(partial(_lengths_vary, rope_rows=rope_rows))
         if isinstance(self, FSDPModule):
             # the methods called from outside forward run FSDP's root hooks as forward does
             for method in ("hidden_states", "_logprobs"):
