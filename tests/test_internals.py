@@ -103,3 +103,17 @@ def test_no_private_torch_access_outside_internals():
     offenders = [f"{path.name}:{n}: {line.strip()}" for path in sorted(plugin_dir.rglob("*.py")) if path.name != "internals.py"
                  for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
     assert not offenders, "private torch access outside plugin/internals.py:\n" + "\n".join(offenders)
+
+
+def test_entry_6_maybe_mark_dynamic():
+    """A dimension marked before the first call is traced as any size: a second length compiles nothing new."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: (x * 2).sum(1), backend="eager")
+    graphs = counters["stats"]["unique_graphs"]
+    for length in (5, 7):
+        x = torch.ones(2, length)
+        internals.lengths_vary((x, 1))
+        assert fn(x).tolist() == [2.0 * length] * 2
+    assert counters["stats"]["unique_graphs"] == graphs + 1

@@ -93,11 +93,11 @@ def one_rank():
     return out
 
 
-def _layout_worker(rank, world_size, layout, names, stops, out):
-    tp, dp = layout
-    results = {}
+def _layout_samples(tp, dp, names, stops) -> tuple[dict, dict]:
+    """Each model's samples on this rank, and the models (the later checks reuse the llama3 one)."""
+    results, models = {}, {}
     for name in names:
-        model = build(name, tp, dp)
+        model = models[name] = build(name, tp, dp)
         # DP ranks split the prompts unevenly: 5 and 2
         share = slice(None) if dp == 1 else [slice(0, 5), slice(5, None)][dist.get_rank() // tp]
         results[name] = dict(cached=draw(model, stops[name], True, share),
@@ -105,16 +105,33 @@ def _layout_worker(rank, world_size, layout, names, stops, out):
                              turns_cached=draw(model, stops[name], True, share, ToolLike()),
                              turns_oracle=draw(model, stops[name], False, share, ToolLike()),
                              swapped=[type(m).__name__ for m in model.modules() if isinstance(m, KVCache)])
+    return results, models
+
+
+def _layout_worker(rank, world_size, layout, names, stops, out):
+    """Every multi-rank check of one layout, in one spawn (a spawn's start-up, imports and model builds were most of
+    each check's time: 9 spawns became 3). What rank 0 keeps for the tests goes to `out`; checks that assert on
+    every rank (the FSDP training step after generation) fail the spawn, naming the rank."""
+    tp, dp = layout
+    results, models = _layout_samples(tp, dp, names, stops)
+    extra = {"dtypes": _dtypes(layout)}
+    if layout == (2, 1):
+        extra["compiled"] = _compiled_tp(models["grpo_llama3"], stops["grpo_llama3"])
+        extra["sharded"] = _sharded_sampling(world_size)
+    if layout == (1, 2):
+        _train_after_generation(rank)
+        extra["train_after_generation"] = "passed"
     gathered = [None] * world_size
     dist.all_gather_object(gathered, results)
     if rank == 0:
-        torch.save(gathered, out)
+        torch.save({"per_rank": gathered, **extra}, out)
 
 
 def run_layout(tmp_path_factory, tp, dp, names, stops):
     out = tmp_path_factory.mktemp(f"sampler_tp{tp}_dp{dp}") / "results.pt"
     run_ranks(tp * dp, _layout_worker, (tp, dp), names, stops, str(out))
-    per_rank = torch.load(out, weights_only=False)
+    saved = torch.load(out, weights_only=False)
+    per_rank = saved.pop("per_rank")
     merged = {}
     for name in names:
         # TP peers hold the same samples: take one rank per DP rank, in DP order
@@ -124,7 +141,7 @@ def run_layout(tmp_path_factory, tp, dp, names, stops):
         merged[name]["tp_peers_agree"] = all(per_rank[r][name]["cached"] == per_rank[r - r % tp][name]["cached"]
                                              for r in range(tp * dp))
         merged[name]["swapped"] = sum(len(r[name]["swapped"]) for r in per_rank)
-    return merged
+    return {**merged, **saved}
 
 
 def _concat(parts):
@@ -145,6 +162,11 @@ def tp2(tmp_path_factory, one_rank):
 def fsdp2(tmp_path_factory, one_rank):
     return run_layout(tmp_path_factory, 1, 2, ("grpo_llama3", "grpo_qwen3"),
                       {n: r["stops"] for n, r in one_rank.items()})
+
+
+@pytest.fixture(scope="module")
+def tp2_fsdp2(tmp_path_factory, one_rank):
+    return run_layout(tmp_path_factory, 2, 2, ("grpo_llama3",), {"grpo_llama3": one_rank["grpo_llama3"]["stops"]})
 
 
 def max_logprob_diff(a, b) -> float:
@@ -282,10 +304,10 @@ def test_layout_invariance(one_rank, tp2, fsdp2, name):
 
 
 @pytest.mark.slow
-def test_tp2_fsdp2(tmp_path_factory, one_rank):
+def test_tp2_fsdp2(tp2_fsdp2, one_rank):
     """4 ranks, TP=2 x FSDP=2 (llama3): cached matches the oracle and the 1-rank samples."""
     stops = {"grpo_llama3": one_rank["grpo_llama3"]["stops"]}
-    results = run_layout(tmp_path_factory, 2, 2, ("grpo_llama3",), stops)["grpo_llama3"]
+    results = tp2_fsdp2["grpo_llama3"]
     assert_cached_matches_oracle(results, stops["grpo_llama3"], "TP=2 x FSDP=2 grpo_llama3")
     assert_turns_match_oracle(results, stops["grpo_llama3"], "TP=2 x FSDP=2 grpo_llama3")
     assert mismatch_fraction(one_rank["grpo_llama3"]["turns_cached"], results["turns_cached"]) <= 1 / len(PROMPT_LENS)
@@ -421,7 +443,7 @@ def test_compiled_blocks_generate_eagerly(one_rank):
 
 # --- FSDP: the training step after generation ----------------------------------------------------------
 
-def _train_after_generation(rank, world_size, out):
+def _train_after_generation(rank):
     # "always": the head's group (on two modules) reshards after forward too, a setting to restore
     model = build("grpo_llama3", 1, 2, "--parallelism.fsdp_reshard_after_forward", "always")
     g = torch.Generator().manual_seed(rank)
@@ -453,15 +475,17 @@ def _train_after_generation(rank, world_size, out):
 
 
 @pytest.mark.slow
-def test_fsdp_training_step_unchanged_by_generation(tmp_path):
-    """After generating (cached, then uncached with one rank empty), FSDP's state is as before: same gradients."""
-    run_ranks(2, _train_after_generation, str(tmp_path))
+def test_fsdp_training_step_unchanged_by_generation(fsdp2):
+    """After generating (cached, then uncached with one rank empty), FSDP's state is as before: same gradients.
+    The checks assert on each rank in fsdp2's spawn (_layout_worker)."""
+    assert fsdp2["train_after_generation"] == "passed"
 
 
 # --- the engine: sharded sampling, finished rows out, shared prefill, the cap, compiled decode ----------
 
-def _sharded_sampling_worker(rank, world_size, out):
-    """Logits split over a 2-rank vocab mesh (1271 ids: shards of 636 and 635), sampled where they lie."""
+def _sharded_sampling(world_size):
+    """Logits split over a 2-rank vocab mesh (1271 ids: shards of 636 and 635), sampled where they lie; a gather
+    of the logits fails the check."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -476,26 +500,30 @@ def _sharded_sampling_worker(rank, world_size, out):
     def no_gather(*args, **kwargs):
         raise AssertionError("the sampler gathered the vocabulary")
 
-    # a gather of the logits would go through one of these
-    for name in ("all_gather", "all_gather_into_tensor"):
-        setattr(dist, name, no_gather)
-    DTensor.full_tensor = no_gather
-    local, shard = sampling.local_vocab(sharded)
-    assert (shard.start, local.shape[1]) == ((0, 636), (636, 635))[rank]
-    draws = [sampling.sample_sharded(local, shard, sampling.row_seeds(keys, t), 0.7) for t in range(5)]
-    if rank == 0:
-        torch.save(draws, out)
+    # a gather of the logits would go through one of these; restored after, for the spawn's other checks
+    saved = {name: getattr(dist, name) for name in ("all_gather", "all_gather_into_tensor")}
+    full_tensor = DTensor.full_tensor
+    try:
+        for name in saved:
+            setattr(dist, name, no_gather)
+        DTensor.full_tensor = no_gather
+        local, shard = sampling.local_vocab(sharded)
+        assert (shard.start, local.shape[1]) == ((0, 636), (636, 635))[dist.get_rank()]
+        return [sampling.sample_sharded(local, shard, sampling.row_seeds(keys, t), 0.7) for t in range(5)]
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+        DTensor.full_tensor = full_tensor
 
 
 @pytest.mark.slow
-def test_sharded_sampling_draws_the_full_vocabularys_tokens(tmp_path):
+def test_sharded_sampling_draws_the_full_vocabularys_tokens(tp2):
     """Each rank scores only its vocab shard; one all-reduce of per-row candidates, no gather: 1 rank's tokens,
-    and log-probs within fp32 rounding of a log-softmax."""
-    run_ranks(2, _sharded_sampling_worker, str(tmp_path / "draws.pt"))
+    and log-probs within fp32 rounding of a log-softmax (rank 0's draws, in tp2's spawn)."""
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(9, 1271, generator=g) * 3
     keys = torch.tensor([random.Random(i).getrandbits(63) for i in range(9)], dtype=torch.int64)
-    for t, (tokens, logprobs) in enumerate(torch.load(tmp_path / "draws.pt")):
+    for t, (tokens, logprobs) in enumerate(tp2["sharded"]):
         want, _ = sample(logits, keys, t, 0.7)
         assert torch.equal(tokens, want)
         exact = torch.log_softmax(logits.double() / 0.7, -1).gather(-1, tokens[:, None]).squeeze(-1)
@@ -639,7 +667,7 @@ def test_generation_runs_in_the_trainers_autocast_dtype(llama):
     assert max_logprob_diff(cached, oracle) <= 0.05
 
 
-def _dtype_worker(rank, world_size, layout, out):
+def _dtypes(layout):
     """The dtype of the last layer's output and of the KV cache while the [online] sampler generates, and of the last
     layer's output in a training forward, under [training] mixed_precision_param = "bfloat16"."""
     from torchtitan.distributed import ParallelDims
@@ -666,38 +694,32 @@ def _dtype_worker(rank, world_size, layout, out):
     generation, seen[:] = list(seen), []
     with maybe_enable_amp(pd, "bfloat16", "cpu"):
         model(torch.tensor(prompts()[1:2]))  # torchtitan's forward: the trunk as training runs it (6 tokens: TP splits them)
-    if rank == 0:
-        torch.save({"generation": generation, "training": list(seen)}, out)
+    return {"generation": generation, "training": list(seen)}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp, dp", [(1, 2), (2, 1), (2, 2)], ids=["fsdp2", "tp2", "tp2_fsdp2"])
-def test_generation_computes_in_the_trainers_dtype_on_every_layout(tmp_path, tp, dp):
+@pytest.mark.parametrize("layout", ["fsdp2", "tp2", "tp2_fsdp2"])
+def test_generation_computes_in_the_trainers_dtype_on_every_layout(request, layout):
     """bf16 mixed precision: FSDP's bf16 parameters (FSDP=2, TP=2 x FSDP=2) or, where torchtitan turns mixed precision
     off (TP alone), fp32; the online sampler's layers and KV cache compute in what the training forward does."""
-    out = tmp_path / "dtypes.pt"
-    run_ranks(tp * dp, _dtype_worker, (tp, dp), str(out))
-    seen = torch.load(out)
+    seen = request.getfixturevalue(layout)["dtypes"]  # rank 0's, in the layout's spawn
     training = {d for what, d in seen["training"] if what == "layer"}
-    assert training == ({torch.float32} if dp == 1 else {torch.bfloat16})
+    assert training == ({torch.float32} if layout == "tp2" else {torch.bfloat16})
     assert {d for what, d in seen["generation"] if what == "layer"} == training
     assert {d for what, d in seen["generation"] if what == "cache" and d is not False} == training
 
 
-def _compiled_tp_worker(rank, world_size, stops, out):
-    model = build("grpo_llama3", 2, 1)
+def _compiled_tp(model, stops):
     eager = _sampler(model, stops).generate(prompts(), KEYS)
     compiled = _sampler(model, stops, compile_decode=True).generate(prompts(), KEYS)
-    if rank == 0:
-        torch.save({"eager": eager, "compiled": compiled}, out)
+    return {"eager": eager, "compiled": compiled}
 
 
 @pytest.mark.slow  # each rank compiles the decode step for each row count
-def test_compiled_decode_equals_eager_tp2(tmp_path, llama):
-    """TP=2: the compiled decode step (DTensor layers, the vocab-sharded head and sampling) draws eager's tokens."""
-    out = tmp_path / "draws.pt"
-    run_ranks(2, _compiled_tp_worker, llama[1]["stops"], str(out))
-    got = torch.load(out, weights_only=False)
+def test_compiled_decode_equals_eager_tp2(tp2):
+    """TP=2: the compiled decode step (DTensor layers, the vocab-sharded head and sampling) draws eager's tokens
+    (rank 0's, in tp2's spawn)."""
+    got = tp2["compiled"]
     assert got["compiled"].completions == got["eager"].completions
     assert got["compiled"].truncated == got["eager"].truncated
     assert max_logprob_diff(got["compiled"], got["eager"]) <= LOGPROB_ATOL

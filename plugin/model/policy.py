@@ -76,12 +76,12 @@ def _lengths_vary(block: nn.Module, args: tuple, rope_rows: int) -> None:
     if torch.compiler.is_compiling():  # traced as part of a compiled caller (the sampler's decode step)
         return
     h, rope, attention_masks = args[0], args[1], args[2] if len(args) > 2 else None
-    torch._dynamo.maybe_mark_dynamic(h, 1)
+    dims = [(h, 1)]
     if rope.shape[0] != rope_rows:  # a packed row's table rows at its positions (trunk), not the whole table
-        torch._dynamo.maybe_mark_dynamic(rope, 0)
+        dims.append((rope, 0))
     if isinstance(attention_masks, VarlenMetadata):  # a packed row's count of sequences
-        torch._dynamo.maybe_mark_dynamic(attention_masks.cu_seq_q, 0)
-        torch._dynamo.maybe_mark_dynamic(attention_masks.cu_seq_k, 0)
+        dims += [(attention_masks.cu_seq_q, 0), (attention_masks.cu_seq_k, 0)]
+    internals.lengths_vary(*dims)
 
 
 class GRPOModel:

@@ -22,10 +22,17 @@ test per entry that fails naming the entry when torch changes it.
    plugin.model.llama3's adapter: its public to_hf/from_hf permute Q/K rows through a view that a
    DTensor whose row shards split a head refuses (SmolLM2's 9 heads on 2 FSDP ranks); checked on
    torchtitan 0.2.2.
+6. `torch._dynamo.maybe_mark_dynamic` (`lengths_vary`): a compiled block's inputs change their token
+   count with every batch, and dynamo specializes a first graph on the first call's sizes, so every
+   block recompiles at the second step. `torch.compile(dynamic=True)` would make every dimension of
+   every input symbolic (torchtitan compiles the blocks, so the option is not ours to pass either);
+   `torch.compiler` has no public way to name one dimension. torch's dynamic-shapes guide documents
+   this call.
 """
 
 from contextlib import contextmanager
 
+import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
@@ -80,3 +87,9 @@ def use_blocking_rowwise_output() -> None:
         return outputs.to_local() if use_local_output else outputs
 
     RowwiseParallel._prepare_output_fn = staticmethod(prepare_output)
+
+
+def lengths_vary(*dims: tuple[torch.Tensor, int]) -> None:
+    """Each (tensor, dim) traced as any size from a compiled function's first call (entry 6)."""
+    for tensor, dim in dims:
+        torch._dynamo.maybe_mark_dynamic(tensor, dim)
