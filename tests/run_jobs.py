@@ -92,7 +92,7 @@ def main() -> None:
         logger.info(f"run_jobs: job {job + 1} of {len(jobs)}: {' '.join(argv)}")
         try:
             run(job, argv)
-        except Exception:
+        except (Exception, SystemExit):  # SystemExit: torchtitan's parser exits on a bad value
             if not fails:
                 raise
             logger.error(f"run_jobs: job {job + 1} of {len(jobs)} failed, as it should:\n{traceback.format_exc()}")

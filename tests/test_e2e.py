@@ -2,8 +2,9 @@
 
 All runs start from one seed checkpoint (torchtitan's --checkpoint.create_seed_checkpoint), so
 1 rank, TP=2 and FSDP=2 train the same weights on the same global batch. The `runs` share two
-launches (conftest's train_runs: one per number of ranks); the compiled runs and the bad inputs
-have launches of their own, since what they check is about a launch.
+launches (conftest's train_runs: one per number of ranks); the compiled runs have launches of their
+own, since what they check is about a launch. The bad inputs that stop any layout are failing jobs of
+one 1-rank launch; pipeline parallelism, which needs 2 ranks to reach the plugin's check, has its own.
 """
 
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import CONFIG, read_checkpoint, run, scalars, torchrun, train, train_runs
+from conftest import CONFIG, check, job_logs, read_checkpoint, run, scalars, torchrun, torchrun_jobs, train, train_runs
 from plugin.model.reference import reference_entries
 
 STEPS = 3
@@ -110,15 +111,36 @@ def test_compiled_tp_shares_a_cache_and_matches_eager(runs, seed_checkpoint, tmp
     assert not any(p.name.startswith("rank_") for p in cache.iterdir())  # one folder for both ranks
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("overrides, message", [
+BAD_INPUTS = [
     (["--grpo.kl_estimator", "k4"], "invalid choice 'k4' for argument '--grpo.kl-estimator'"),
     (["--training.dataset_path", "data/missing.jsonl"], "[training] dataset_path = 'data/missing.jsonl': no such rollout file"),
-    (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "1"],
-     "pipeline parallelism is not supported"),
-])
-def test_bad_input_stops_torchrun_at_start_up(overrides, message):
-    # a launch of its own: it is expected to fail, and its output is read for the message
-    proc = torchrun(2, CONFIG, "--training.steps", "1", *overrides)
+]
+
+
+@pytest.fixture(scope="module")
+def bad_input_launch():
+    """The bad inputs that stop a run on any layout, as jobs that must fail, in one 1-rank launch."""
+    proc = torchrun_jobs(1, [{"argv": ["--job.config_file", CONFIG, "--training.steps", "1",
+                                       "--parallelism.tensor_parallel_degree", "1", *overrides], "fails": True}
+                             for overrides, _ in BAD_INPUTS])
+    check(proc)
+    return proc
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides, message", BAD_INPUTS)
+def test_bad_input_stops_torchrun_at_start_up(bad_input_launch, overrides, message):
+    logs = job_logs(bad_input_launch)
+    assert len(logs) == len(BAD_INPUTS), bad_input_launch.stdout[-4000:]
+    assert "failed, as it should" in logs[BAD_INPUTS.index((overrides, message))]
+    # the parser writes its error to stderr, which job_logs does not cut: each message is the launch's only one
+    assert message in bad_input_launch.stdout + bad_input_launch.stderr
+
+
+@pytest.mark.slow
+def test_pipeline_parallelism_stops_torchrun_at_start_up():
+    # a launch of its own, on 2 ranks: on 1, torchtitan's check that the degrees multiply to the world size comes first
+    proc = torchrun(2, CONFIG, "--training.steps", "1", "--parallelism.pipeline_parallel_degree", "2",
+                    "--parallelism.tensor_parallel_degree", "1")
     assert proc.returncode != 0
-    assert message in proc.stdout + proc.stderr
+    assert "pipeline parallelism is not supported" in proc.stdout + proc.stderr
