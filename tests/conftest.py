@@ -209,7 +209,7 @@ def run_ranks(world_size: int, fn, *args) -> None:
         mp.start_processes(_worker, args=(world_size, _free_port(), fn, args, errors), nprocs=world_size,
                            start_method="spawn")
     except Exception as e:
-        # a rank that raised sent its traceback; one killed by a signal (SIGSEGV, SIGABRT) printed its Python stack
+        # a rank that raised wrote its traceback to `errors`; one killed by a signal (SIGSEGV, SIGABRT) printed its Python stack
         # to stderr through faulthandler, and torch's ProcessExitedException names the rank and the signal
         msgs = [f"{type(e).__name__}: {e}"]
         for tb in sorted(Path(errors).iterdir(), key=lambda f: int(f.name[4:])):
