@@ -22,6 +22,7 @@ from conftest import build_model
 from plugin.config import GRPO
 from plugin.data.batch import Collate, balanced, packed_positions
 from plugin.data.rollouts import Completion
+from plugin.model import attention
 from plugin.model.attention import _attend_each, _attend_each_op, packed_attention, sequence_bounds
 
 SEQ_LEN = 48
@@ -48,6 +49,29 @@ def collate(batch, padding_free: bool, pack_multiple: int = 1, keep=None, **grpo
     rewards = torch.tensor([c.reward for c in batch])
     lens = torch.tensor([len(c.tokens) - c.prompt_len for c in batch])
     return Collate(SEQ_LEN, 0, cfg, 2, pack_multiple=pack_multiple)(rewards, lens, list(range(len(batch))), batch, keep)
+
+
+@pytest.mark.parametrize("takes_gqa", [True, False], ids=["torch-2.13", "torch-2.11"])
+def test_the_varlen_kernel_gets_grouped_query_heads_as_its_torch_takes_them(monkeypatch, takes_gqa):
+    """CUDA's varlen kernel, stood in for by the per-sequence path: torch 2.11's has no `enable_gqa` (the first GPU
+    run stopped there), so each KV head is repeated for its query heads; 2.13's is told. Both equal SDPA's GQA."""
+    lens = [5, 1, 9, 3]
+    q, k, v = _qkv(lens)
+    bounds = sequence_bounds(torch.zeros(1, sum(lens)), torch.cat([torch.arange(n) for n in lens])[None])
+    calls = []
+
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), **gqa):
+        assert window_size == (-1, 0) and torch.equal(cu_q, cu_k) and max_q == max_k == max(lens)
+        calls.append((k.shape[1], gqa))
+        if not takes_gqa and gqa:
+            raise TypeError(f"varlen_attn() got an unexpected keyword argument {next(iter(gqa))!r}")
+        return _attend_each(q, k, v, cu_q.tolist(), scale)
+
+    monkeypatch.setattr(attention, "varlen_attn", kernel)
+    monkeypatch.setattr(attention, "VARLEN_TAKES_GQA", takes_gqa)
+    out = attention._varlen(q, k, v, bounds, q.shape[-1] ** -0.5)
+    assert calls == ([(k.shape[1], {"enable_gqa": True})] if takes_gqa else [(q.shape[1], {})]) and q.shape[1] > k.shape[1]
+    torch.testing.assert_close(out, packed_attention(q, k, v, bounds), rtol=1e-12, atol=1e-12)
 
 
 def test_labels_are_made_per_sequence_and_never_cross_a_boundary():

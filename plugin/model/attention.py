@@ -13,11 +13,17 @@ The boundaries come from the plugin's positions, never from EOS ids: a completio
 not in the input, and chat templates put `<|im_end|>` inside prompts.
 """
 
+import inspect
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+from torch.nn.attention.varlen import varlen_attn
 from torchtitan.models.attention import VarlenMetadata
+
+# torch 2.13's varlen_attn takes `enable_gqa`; 2.11's, this package's oldest torch (the H200 image's), does not
+VARLEN_TAKES_GQA = "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
 def sequence_bounds(tokens: torch.Tensor, positions: torch.Tensor | None) -> VarlenMetadata:
@@ -135,15 +141,24 @@ def _backward(ctx, grad):
 _attend_each_op.register_autograd(_backward, setup_context=_setup)
 
 
+def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: VarlenMetadata, scale: float) -> torch.Tensor:
+    """torch's varlen kernel, causal; grouped-query KV heads through `enable_gqa` where torch has it."""
+    gqa = {}
+    if q.shape[1] != k.shape[1]:
+        if VARLEN_TAKES_GQA:
+            gqa = dict(enable_gqa=True)
+        else:  # torch < 2.13 (the H200 image's 2.11): each KV head repeated for its query heads, as SDPA's GQA reads
+            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    return varlen_attn(q, k, v, bounds.cu_seq_q, bounds.cu_seq_k, bounds.max_q, bounds.max_k, scale=scale,
+                       window_size=(-1, 0), **gqa)
+
+
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: VarlenMetadata,
                      scale: float | None = None) -> torch.Tensor:
     """Causal attention within each sequence of `bounds`: [N, H, hd] q, [N, H_kv, hd] k and v -> [N, H, hd]."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):  # the flash kernel's dtypes
-        from torch.nn.attention.varlen import varlen_attn
-
-        return varlen_attn(q, k, v, bounds.cu_seq_q, bounds.cu_seq_k, bounds.max_q, bounds.max_k, scale=scale,
-                           window_size=(-1, 0), enable_gqa=q.shape[1] != k.shape[1])
+        return _varlen(q, k, v, bounds, scale)
     if torch.compiler.is_compiling():
         # one opaque op for any lengths: a branch on max_q here would make every new longest length a recompile
         return _attend_each_op(q, k, v, bounds.cu_seq_q, scale)
