@@ -1,6 +1,7 @@
 """One shot on one lent GPU: set-up, the log-prob benchmark, the reference-offload benchmark, generation against
 transformers' generate, padding-free against padded rows (the varlen kernel), a 20-step GRPO run and a
-multi-turn online run with a tool (rows resumed from their KV cache on the device).
+multi-turn online run with a tool (rows resumed from their KV cache on the device), and a GRPO run on a
+mixture-of-experts flavor.
 
 Run from the repo root of a copy of the work tree, on a machine with one CUDA GPU and no package
 registry (the device tool's H200: Python 3.12, torch 2.11); the pure-Python packages it lacks travel
@@ -17,7 +18,7 @@ device tool brings back), go to $OUT if set, else benchmarks/results/gpu/:
                           transformers' generate where the machine has it; the summary names the attention kernels
   grpo_steps.csv          the GRPO run's metrics per step (from TensorBoard)
   grpo_tb.tar.gz          its TensorBoard events
-  (the multi-turn run's figures are in gpu_summary.md)
+  (the multi-turn and MoE runs' figures are in gpu_summary.md)
 
 --smoke runs the same parts on CPU with tiny shapes and 2 steps, to check this script anywhere.
 Standard library only, so it runs before anything is installed.
@@ -50,8 +51,10 @@ CARRIED = ("torchtitan==0.2.2", "torchdata==0.11.0", "tyro==1.0.17", "docstring-
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64")
 # Share of --budget per part; a part may also use what the parts before it left unused.
-SHARES = {"setup": 0.06, "logprob": 0.28, "offload": 0.11, "generation": 0.13, "padding_free": 0.06, "grpo": 0.28,
-          "multi_turn": 0.08}
+# Set from the first GPU calls (benchmarks/results/gpu/): set-up took 26 s, the log-prob part's compiled variants
+# need about 25 s each, the offload part 45 s a setting, GRPO 91 s, MoE 70 s, multi-turn 70 s, generation 73 s.
+SHARES = {"setup": 0.05, "logprob": 0.22, "offload": 0.16, "generation": 0.13, "padding_free": 0.04, "grpo": 0.18,
+          "multi_turn": 0.12, "moe": 0.10}
 # gather first: the baseline of the diff column, and likely a quick OOM; then the unchunked compiled
 # pass that the fused pass's targets are ratios to, and the fused pass (policy) / blocked pass
 # (reference) that issue 10 built; should the part's time run out, the older chunked ones are left out
@@ -61,13 +64,16 @@ VARIANTS = "gather,loss_parallel_compiled,fused_compiled,chunked_compiled,loss_p
 # model, and the GRPO run's shape.
 MODES = {
     "gpu": dict(
-        device="cuda", budget=450,
+        device="cuda", budget=560,
         logprob=["--batch", "4", "--seq", "9216", "--vocab", "151936", "--dim", "1024", "--chunk", "1024",
                  "--repeats", "3"],
         offload=["--flavor", "0.6B", "--batch", "4", "--seq", "1024", "--steps", "4"],
         flavor="0.6B", steps=20, seq_len=1024, batch=8, chunk=256, groups=64, group_size=8,
         prompt=(128, 256), completion=(512, 768), grpo_extra=[],
         multi_turn=dict(steps=3, prompts=8, new_tokens=128, seq_len=256),
+        # torchtitan's own debugmodel_moe (64 experts, top 8): the MoE path of CUDA (grouped_mm, Triton's
+        # permute-index kernel, no plugin.cpu patch), compiled
+        moe=dict(flavor="debugmodel_moe", steps=10, seq_len=1024, batch=8),
         # the whole 0.6B model (28 layers), bf16 as the trainer computes, 32-token prompts, 128 new tokens
         generation=["--device", "cuda", "--dtype", "bfloat16", "--layers", "28", "--uniform", "64x128,256x128",
                     "--no-grpo", "--profile", "", "--attention-check", "--no-plot"],
@@ -80,6 +86,7 @@ MODES = {
         prompt=(16, 32), completion=(64, 96),
         generation=["--device", "cpu", "--layers", "1", "--uniform", "4x8", "--no-grpo", "--profile", "", "--no-plot"],
         multi_turn=dict(steps=2, prompts=2, new_tokens=24, seq_len=80),
+        moe=dict(flavor="debugmodel_moe_small", steps=2, seq_len=128, batch=8),
         # compiling on a 2-core CPU takes minutes, and the smoke checks the plumbing, not the speed
         grpo_extra=["--compile.no-enable", "--reference_model.no-compile"],
     ),
@@ -95,7 +102,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--python-version", default="3.12", help="--prepare-wheels: the GPU machine's Python")
     p.add_argument("--wheels", help=f"wheels to install first (default: {wheels}/; none with --smoke)")
     p.add_argument("--site", default="/tmp/site", help="where the wheels are installed (put first on PYTHONPATH)")
-    p.add_argument("--budget", type=float, help="seconds for all parts (default: 450; --smoke: 1500)")
+    p.add_argument("--budget", type=float, help="seconds for all parts (default: 560; --smoke: 1500)")
     p.add_argument("--parts", default=",".join(SHARES), help=f"comma list of {', '.join(SHARES)}")
     p.add_argument("--out", help="results folder (default: $OUT, else benchmarks/results/gpu/; "
                                  "--smoke: benchmarks/results/tmp/gpu_smoke/)")
@@ -324,8 +331,9 @@ def write_rollouts(path: Path, mode: dict, seed: int = 0) -> None:
             f.write(json.dumps({"prompt_ids": prompt, "completions_ids": completions, "rewards": rewards}) + "\n")
 
 
-def grpo_cmd(run: Run, dump: Path, rollouts: Path, extra: list[str]) -> list[str]:
-    m = run.mode
+def grpo_cmd(run: Run, dump: Path, rollouts: Path, extra: list[str], **shape) -> list[str]:
+    """The GRPO part's command; `shape` overrides the mode's flavor, steps, seq_len or batch (the MoE part)."""
+    m = {**run.mode, **shape}
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
         "-m", "torchtitan.train", "--job.config_file", "train_configs/qwen3_0.6b_gpu.toml",
@@ -343,36 +351,46 @@ def grpo_cmd(run: Run, dump: Path, rollouts: Path, extra: list[str]) -> list[str
 
 def part_grpo(run: Run, timeout: float) -> None:
     """torchtitan.train on train_configs/qwen3_0.6b_gpu.toml, 1 GPU, random weights, synthetic rollouts."""
+    train(run, timeout, "GRPO run", files=True)
+
+
+def part_moe(run: Run, timeout: float) -> None:
+    """The GRPO part's run on a mixture-of-experts flavor; its figures go to the summary only (8 files come back)."""
+    train(run, timeout, "MoE GRPO run", files=False, **run.mode["moe"])
+
+
+def train(run: Run, timeout: float, name: str, files: bool, **shape) -> None:
+    """One GRPO run of grpo_cmd's; eager again if the compiled one fails; its figures into the summary."""
     deadline = time.perf_counter() + timeout
+    m = {**run.mode, **shape}
     rollouts = run.scratch / "rollouts.jsonl"
     write_rollouts(rollouts, run.mode)
-    dump = run.scratch / "grpo"
-    status, detail, output = run.job("GRPO run", grpo_cmd(run, dump, rollouts, []), timeout)
+    dump = run.scratch / name.lower().replace(" ", "_")
+    status, detail, output = run.job(name, grpo_cmd(run, dump, rollouts, [], **shape), timeout)
     compiled = "--compile.no-enable" not in run.mode["grpo_extra"]
     if status not in (OK, OOM, TIMEOUT) and compiled and deadline - time.perf_counter() > 90:
         # the GPU path never ran before this; an eager run still says whether the rest of it works
-        run.say(f"compiled GRPO run failed ({detail}); again without torch.compile")
+        run.say(f"compiled {name} failed ({detail}); again without torch.compile")
         shutil.rmtree(dump, ignore_errors=True)
         first = f"compiled run: {status}; then "
-        eager = grpo_cmd(run, dump, rollouts, ["--compile.no-enable", "--reference_model.no-compile"])
-        status, detail, output = run.job("GRPO run, eager", eager, deadline - time.perf_counter())
+        eager = grpo_cmd(run, dump, rollouts, ["--compile.no-enable", "--reference_model.no-compile"], **shape)
+        status, detail, output = run.job(f"{name}, eager", eager, deadline - time.perf_counter())
         compiled = False
     else:
         first = ""
     # TensorBoard flushes every 2 minutes: after a kill the console log may hold more steps
     steps = max(read_scalars(dump), parse_log(output), key=len)
-    if steps:
+    if steps and files:
         tags = sorted({t for s in steps.values() for t in s})
         with open(run.out / "grpo_steps.csv", "w", newline="") as f:
             w = csv.writer(f)
             w.writerow(["step", *tags])
             for step in sorted(steps):
                 w.writerow([step, *(f"{steps[step][t]:.6g}" if t in steps[step] else "" for t in tags)])
-    if (dump / "tb").exists():
+    if (dump / "tb").exists() and files:
         with tarfile.open(run.out / "grpo_tb.tar.gz", "w:gz") as tar:
             tar.add(dump / "tb", arcname="grpo_tb")
-    m = run.mode
-    head = (f"### GRPO, grpo_qwen3 {m['flavor']}, random weights, 1 process, TP=1, "
+    head = (f"### {name.removesuffix(' run')}, grpo_qwen3 {m['flavor']}, random weights, 1 process, TP=1, "
             f"{'compiled (model, loss, reference)' if compiled else 'eager'}, bf16; {m['steps']} steps of "
             f"{m['batch']} completions ({m['batch'] // m['group_size']} group) x seq {m['seq_len']}, "
             f"logprob_chunk_tokens {m['chunk'] * m['batch']}, the default (fused) policy pass")
@@ -466,7 +484,7 @@ def grpo_summary(steps: dict, status: str, compiled: bool) -> str:
 
 
 PARTS = {"setup": part_setup, "logprob": part_logprob, "offload": part_offload, "generation": part_generation,
-         "padding_free": part_padding_free, "grpo": part_grpo, "multi_turn": part_multi_turn}
+         "padding_free": part_padding_free, "grpo": part_grpo, "multi_turn": part_multi_turn, "moe": part_moe}
 
 
 def main(argv=None) -> int:
