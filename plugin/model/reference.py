@@ -149,7 +149,9 @@ def load_reference_checkpoint(reference: nn.Module, path: str, fmt: str, sd_adap
     if fmt == "hf":
         hf_state_dict = sd_adapter.to_hf(state_dict)
         dcp.load(hf_state_dict, storage_reader=sd_adapter.get_hf_storage_reader(path))
-        state_dict = sd_adapter.from_hf(hf_state_dict)
+        # the entries HF has no name for keep the reference's own: torchtitan's adapter drops an MoE layer's
+        # load-balancing expert_bias on the way out (to_hf), so from_hf cannot give it back
+        state_dict = {**state_dict, **sd_adapter.from_hf(hf_state_dict)}
     else:
         # a full checkpoint holds the model's entries at top level, next to "optimizer" etc.
         dcp.load(state_dict, checkpoint_id=path)
