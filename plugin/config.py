@@ -291,12 +291,27 @@ class Optimizer:
 
 
 @dataclass
+class Moe:
+    """Mixture-of-experts flavors (grpo_qwen3's debugmodel_moe_small, debugmodel_moe, 30B-A3B, 235B-A22B): how their routers are balanced."""
+
+    router_bias_update_rate: float = 0.0
+    """torchtitan's auxiliary-loss-free load balancing: after each applied optimizer step, each MoE layer's per-expert routing bias moves by this much toward an even load (+rate for experts below the mean count of the step's training tokens over all data-parallel ranks, -rate above, centered), as Megatron's moe_router_bias_update_rate (verl's Megatron backend). The bias only picks the experts; their gate weights stay the router's softmax. 0 (default): no bias, plain top-k routing, as verl runs Qwen3-MoE for RL and as vLLM's Qwen3-MoE routes. The built-in sampler routes with the policy's bias; the reference's never changes."""
+
+    def __post_init__(self):
+        _check_types("moe", self)
+        _check("moe", "router_bias_update_rate", self.router_bias_update_rate,
+               math.isfinite(self.router_bias_update_rate) and self.router_bias_update_rate >= 0,
+               "a finite number >= 0 (0 = no load-balancing bias)")
+
+
+@dataclass
 class JobConfig:
     grpo: GRPO = field(default_factory=GRPO)
     reference_model: ReferenceModel = field(default_factory=ReferenceModel)
     rollout_data: RolloutData = field(default_factory=RolloutData)
     online: Online = field(default_factory=Online)
     optimizer: Optimizer = field(default_factory=Optimizer)
+    moe: Moe = field(default_factory=Moe)
 
 
 def _check(section: str, key: str, value, ok: bool, what: str) -> None:
@@ -399,20 +414,31 @@ def validate_job(job_config) -> None:
 
 
 def check_expert_parallel(job_config) -> None:
-    """[parallelism] expert_parallel_degree (EP) as torchtitan can carve it: a mixture-of-experts flavor, EP dividing
+    """[parallelism] expert_parallel_degree (EP) and [moe] router_bias_update_rate need a mixture-of-experts flavor
+    (one with an expert bias, for the rate); EP as torchtitan can carve it: EP dividing
     its experts (each rank holds an equal share) and the ranks that hold different tokens (EP is carved out of them:
     FSDP's, with expert_tensor_parallel_degree = tensor_parallel_degree; FSDP's times TP's with 1)."""
     p, m = job_config.parallelism, job_config.model
-    ep = p.expert_parallel_degree
-    if ep <= 1:
+    ep, rate = p.expert_parallel_degree, job_config.moe.router_bias_update_rate
+    if ep <= 1 and rate == 0:
         return
     from torchtitan.protocols.train_spec import get_train_spec
 
     args = get_train_spec(m.name).model_args.get(m.flavor)
+    key = f"[parallelism] expert_parallel_degree = {ep}" if ep > 1 else f"[moe] router_bias_update_rate = {rate}"
     if args is None or not getattr(args, "moe_enabled", False):
-        raise ValueError(f"[parallelism] expert_parallel_degree = {ep} needs a mixture-of-experts flavor: "
+        raise ValueError(f"{key} needs a mixture-of-experts flavor: "
                          f"[model] {m.name} flavor {m.flavor!r} has no experts (grpo_qwen3: debugmodel_moe_small, "
                          "debugmodel_moe, 30B-A3B, 235B-A22B)")
+    if rate > 0 and args.moe_args.load_balance_coeff is None:
+        raise ValueError(f"[moe] router_bias_update_rate = {rate}: [model] flavor {m.flavor!r} has no expert bias "
+                         "(its moe_args.load_balance_coeff is None)")
+    if rate > 0 and job_config.checkpoint.last_save_in_hf:
+        logger.warning(f"[moe] router_bias_update_rate = {rate} with [checkpoint] last_save_in_hf: the Hugging Face "
+                       "export leaves the trained expert bias out (transformers' and vLLM's Qwen3-MoE have none), so "
+                       "the exported model picks its experts without it")
+    if ep <= 1:
+        return
     experts = args.moe_args.num_experts
     if experts % ep:
         raise ValueError(f"[parallelism] expert_parallel_degree = {ep} must divide the {experts} experts of "

@@ -7,12 +7,15 @@ Simplifications:
 2. Every run starts from the same seed checkpoint on the same global batch of 16 completions.
 """
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import plugin  # noqa: F401  (registers grpo_qwen3 and patches torchtitan for the CPU)
 from conftest import parse_config, run, scalars, train_runs
+from plugin.model.moe import moe_layers
 
 MOE = ["--model.name", "grpo_qwen3", "--model.flavor", "debugmodel_moe_small"]
 STEPS = 3
@@ -31,8 +34,11 @@ LAYOUTS = {
     # EP carved out of FSDP x TP (expert_tensor_parallel_degree 1: the experts are whole on each EP rank)
     "tp2_fsdp2_ep2": (4, ["--parallelism.tensor_parallel_degree", "2", *FSDP2, *EP2, *HALF]),
 }
-# online_cpu.toml: 4 prompts x 8 completions a step, over the data-parallel ranks
-ONLINE = {"single": (1, NO_TP), "fsdp2_ep2": (2, [*NO_TP, *FSDP2, *EP2, "--training.local_batch_size", "16"])}
+# online_cpu.toml: 4 prompts x 8 completions a step, over the data-parallel ranks; torchtitan's load-balancing bias on
+# (its 1e-3 moves nothing in 2 steps of a near-uniform router; 1e-2 moves it)
+BIAS_RATE = 0.01
+ONLINE = {name: (n, [*extra, "--moe.router_bias_update_rate", str(BIAS_RATE)]) for name, (n, extra) in
+          {"single": (1, NO_TP), "fsdp2_ep2": (2, [*NO_TP, *FSDP2, *EP2, "--training.local_batch_size", "16"])}.items()}
 
 
 @pytest.fixture(scope="module")
@@ -92,11 +98,31 @@ def test_compiled_run_trains_as_the_eager_one(runs):
 
 @pytest.mark.parametrize("name", list(ONLINE))
 def test_the_sampler_generates_with_the_trainers_routing(runs, name):
-    """Online: the sampler's log-probs of what it drew are the trainer's (the same experts chosen), on 1 rank and EP."""
+    """Online, with a load-balancing bias that the first step moved: the sampler's log-probs of what it drew are the
+    trainer's (the same experts chosen, by the same biased rule), on 1 rank and EP; its moe/sampler_* are recorded
+    apart from the policy's, over nearly the same tokens (the prompt and completion, less the last draw)."""
     tb = runs[f"online_{name}"]
     assert len(tb["online/logprob_mismatch"]) == 2
     assert max(tb["online/logprob_mismatch"]) < 1e-5  # seen: 1.5e-7 on FSDP=2 x EP=2
     assert min(tb["online/completion_length_mean"]) > 0
+    assert 0 < tb["moe/expert_bias_max_abs"][0] <= 2 * BIAS_RATE
+    assert tb["moe/sampler_router_entropy"] == pytest.approx(tb["moe/router_entropy"], rel=1e-3)  # seen 4e-5
+    for side in ("", "sampler_"):
+        assert all(0 < h < math.log(8) for h in tb[f"moe/{side}router_entropy"])
+        assert all(a >= 1 >= b >= 0 for a, b in zip(tb[f"moe/{side}load_max"], tb[f"moe/{side}load_min"]))
+
+
+def test_the_load_balancing_bias_and_routing_metrics_are_global(runs):
+    """FSDP=2 x EP=2 sums the routing counts of its data-parallel ranks before the bias moves and before moe/* are
+    logged: the same bias and metrics as 1 rank, which drew the same completions; without a rate, no bias is logged."""
+    single, ep = runs["online_single"], runs["online_fsdp2_ep2"]
+    for tag in ("moe/expert_bias_max_abs", "moe/load_max", "moe/load_min", "moe/sampler_load_max",
+                "moe/sampler_load_min"):
+        assert ep[tag] == pytest.approx(single[tag], rel=1e-6), tag
+    assert ep["moe/router_entropy"] == pytest.approx(single["moe/router_entropy"], rel=1e-5)
+    for name in ("fsdp2", "fsdp2_ep2"):  # from rollouts, no rate
+        assert runs[name]["moe/load_max"] == pytest.approx(runs["single"]["moe/load_max"], rel=1e-6)
+    assert "moe/expert_bias_max_abs" not in runs["single"]
 
 
 def test_integer_histc_on_cpu_counts_as_cuda_does():
@@ -153,6 +179,60 @@ def test_moe_layer_on_cpu_is_its_experts_weighted_by_the_router(grouped):
     assert (e.w1.grad[chosen].flatten(1).abs().sum(-1) > 0).all()
 
 
+def test_routing_counts_the_recorded_passes_and_its_bias_moves_toward_an_even_load():
+    """plugin.model.moe.Routing on the policy: moe/* from the passes it records only (policy and sampler apart), the
+    counts torchtitan's router makes; torchtitan's bias update from the policy's counts, after applied steps only,
+    and never in the reference."""
+    from conftest import build_model
+
+    rate = 0.01
+    model, *_ = build_model(*MOE, "--moe.router_bias_update_rate", str(rate))
+    routing = model.routing
+    assert len(routing.layers) == model.model_args.n_layers and routing.num_experts == 8
+    seen = []  # (layer input, torchtitan's counts) of each router call, hooked after the Routing's
+    for moe in routing.layers:
+        moe.router.register_forward_hook(lambda m, args, out: seen.append((args[0].detach(), out[2].float())))
+    tokens = torch.randint(0, model.model_args.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(tokens)  # as evaluation: not recorded
+    assert routing.take(None) == {"moe/expert_bias_max_abs": 0.0}
+
+    def expected(calls):
+        counts = torch.stack([c for _, c in calls])
+        load = counts / counts.mean(-1, keepdim=True)
+        h = torch.cat([-(F.softmax(s, -1) * F.log_softmax(s, -1)).sum(-1) for s in
+                       (m.router.gate(x).float() for m, (x, _) in zip(routing.layers, calls))])
+        return counts, load.max(-1).values.mean().item(), load.min(-1).values.mean().item(), h.mean().item()
+
+    seen.clear()
+    with routing.record("sampler"), torch.no_grad():
+        model(tokens[:1])
+    sampler = expected(seen)
+    seen.clear()
+    with routing.record("policy"):
+        model(tokens)
+    counts, load_max, load_min, entropy = expected(seen)
+    assert counts.sum(-1).tolist() == [tokens.numel() * 2] * len(routing.layers)  # top 2 of 8 per token
+    metrics = routing.take(None)
+    assert metrics["moe/load_max"] == pytest.approx(load_max) and metrics["moe/load_min"] == pytest.approx(load_min)
+    assert metrics["moe/router_entropy"] == pytest.approx(entropy, rel=1e-6)
+    assert 0 < entropy < math.log(8)
+    assert metrics["moe/sampler_load_max"] == pytest.approx(sampler[1])
+    assert metrics["moe/sampler_router_entropy"] == pytest.approx(sampler[3], rel=1e-6)
+
+    routing.after_step(applied=False, group=None)  # a refused step drops its counts and moves nothing
+    assert all(m.expert_bias.abs().max() == 0 for m in routing.layers)
+    with routing.record("policy"):
+        model(tokens)
+    routing.after_step(applied=True, group=None)
+    delta = rate * torch.sign(counts.mean(-1, keepdim=True) - counts)
+    delta -= delta.mean(-1, keepdim=True)
+    for moe, d in zip(routing.layers, delta):
+        torch.testing.assert_close(moe.expert_bias, d, rtol=0, atol=1e-9)
+    assert routing.take(None)["moe/expert_bias_max_abs"] == pytest.approx(delta.abs().max().item())
+    assert all(m.expert_bias.abs().max() == 0 for m in moe_layers(model.reference.module))  # its routing never moves
+
+
 def test_moe_small_flavor_is_debugmodel_moe_smaller():
     from torchtitan.protocols.train_spec import get_train_spec
 
@@ -179,6 +259,8 @@ def test_moe_small_flavor_is_debugmodel_moe_smaller():
         ([*MOE, "--parallelism.expert_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2",
           "--parallelism.expert_tensor_parallel_degree", "4"],
          r"expert_tensor_parallel_degree = 4 .* torchtitan takes 1 or tensor_parallel_degree \(2\)"),
+        (["--moe.router_bias_update_rate", "0.001"],
+         r"\[moe\] router_bias_update_rate = 0.001 needs a mixture-of-experts flavor: \[model\] grpo_llama3"),
     ],
 )
 def test_expert_parallel_degrees_torchtitan_cannot_carve_name_the_key(overrides, message):

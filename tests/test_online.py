@@ -266,7 +266,7 @@ def test_the_metrics_processor_gets_the_jobs_statistics(monkeypatch):
     job = GRPOJob.of(cfg)
     job.online_stats = OnlineStats(["a"])
     build_grpo_metrics_processor(cfg, None)
-    assert built == {"stats": job.stats, "online": job.online_stats} and GRPOJob.of(cfg) is job
+    assert built == {"job": job} and GRPOJob.of(cfg) is job
 
 
 def test_ranks_leave_together_after_a_run_that_ended_well_only(monkeypatch):

@@ -22,6 +22,7 @@ Simplifications:
    splits them into calls).
 """
 
+from contextlib import nullcontext
 import hashlib
 import json
 import time
@@ -236,7 +237,9 @@ class OnlineDataset(IterableDataset, Stateful):
 
         start = time.perf_counter()
         turns = self.tools.turns(mine, self.tp_group) if self.tools else None
-        with self.job.stats.peak_memory(next(self.policy.parameters()).device) as memory:
+        routing = getattr(self.policy, "routing", None)  # an MoE policy's sampler routing: moe/sampler_*
+        with self.job.stats.peak_memory(next(self.policy.parameters()).device) as memory, \
+                routing.record("sampler") if routing is not None else nullcontext():
             samples = self.sampler.generate([p.ids for p in mine], keys, turns)
         gen_time, gen_peak = time.perf_counter() - start, memory.peak
 

@@ -8,7 +8,9 @@
    toward the policy.
 3. No update from a step with a non-finite term (plugin.runtime.guard), and the steps asked for are
    counted in the state dict (`grpo_step_calls`).
-4. `[optimizer] weight_decay_exempt = "norms_and_biases"` puts 1-D parameters (norm weights, biases) in a
+4. An MoE policy's load-balancing bias ([moe] router_bias_update_rate) moves after each applied step
+   (plugin.model.moe), as torchtitan's optimizer pre-hook would move it.
+5. `[optimizer] weight_decay_exempt = "norms_and_biases"` puts 1-D parameters (norm weights, biases) in a
    second param group without weight decay, as the Hugging Face Trainer (TRL) does; torchtitan decays all.
 The entries' names are those of the checkpoints written before this module existed.
 """
@@ -21,6 +23,7 @@ from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.tools.logging import logger
 
 from plugin.config import Optimizer
+from plugin.model.moe import Routing
 from plugin.model.reference import REFERENCE_PREFIX, Reference
 from plugin.runtime.guard import nonfinite_terms, refuse_step
 from plugin.runtime.stats import GRPOStats
@@ -49,13 +52,15 @@ class GRPOOptimizersContainer(OptimizersContainer):
     """torchtitan's OptimizersContainer with the reference in its state, its sync, and the non-finite guard."""
 
     def __init__(self, model_parts: list[nn.Module], optimizer_cls, optimizer_kwargs: dict, *,
-                 reference: Reference | None, stats: GRPOStats, weight_decay_exempt: str = "none"):
+                 reference: Reference | None, stats: GRPOStats, weight_decay_exempt: str = "none",
+                 routing: Routing | None = None, dp_group=None):
         # torchtitan's container hands each model part's parameters to optimizer_cls: grouped on the way
         grouped = lambda params, **kwargs: optimizer_cls(decay_groups(params, weight_decay_exempt), **kwargs)  # noqa: E731
         super().__init__(model_parts, grouped, optimizer_kwargs)
         # the config's decay per group; a checkpoint's param groups (another setting's, perhaps) do not override it
         self.weight_decays = [[g["weight_decay"] for g in o.param_groups] for o in self.optimizers]
         self.reference, self.stats = reference, stats
+        self.routing, self.dp_group = routing, dp_group  # an MoE policy's routing (plugin.model.moe), its DP ranks
         self.step_calls = 0  # steps asked for, applied or skipped; saved with the state
         self.applied_steps = 0  # for [reference_model] sync_steps; a resume reads it from the optimizer state
         self.applied = False  # whether the last step call updated the weights
@@ -67,6 +72,8 @@ class GRPOOptimizersContainer(OptimizersContainer):
         grads = [p.grad for model in self.model_parts for p in model.parameters() if p.grad is not None]
         bad = nonfinite_terms(self.stats, grads)
         self.applied = not bad
+        if self.routing is not None:  # [moe] router_bias_update_rate: torchtitan's update, as its pre-step hook
+            self.routing.after_step(self.applied, self.dp_group)
         if bad:
             # torch runs the step post-hooks all the same; _sync_reference reads `applied`
             return refuse_step(bad, self.step_calls, self.stats)
@@ -130,5 +137,7 @@ def build_grpo_optimizers(model_parts: list[nn.Module], optimizer_config, parall
     kwargs = dict(lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps, weight_decay=c.weight_decay,
                   fused=c.implementation == "fused", foreach=c.implementation == "foreach")
     policy = model_parts[0]
+    batch = parallel_dims.get_optional_mesh("batch") if parallel_dims.dp_enabled else None
     return GRPOOptimizersContainer(model_parts, OPTIMIZERS[c.name], kwargs, reference=policy.reference,
-                                   stats=policy.stats, weight_decay_exempt=c.weight_decay_exempt)
+                                   stats=policy.stats, weight_decay_exempt=c.weight_decay_exempt,
+                                   routing=policy.routing, dp_group=batch.get_group() if batch else None)

@@ -14,6 +14,7 @@ from torchtitan.tools.logging import logger
 from plugin import cpu
 from plugin.config import compiles_loss
 from plugin.job import GRPOJob
+from plugin.model.moe import Routing, moe_layers
 from plugin.model.policy import ties_weights
 from plugin.model.reference import Reference
 from plugin.scoring.logprobs import Scoring, chunk_tokens_for
@@ -71,6 +72,8 @@ def build_grpo_parallelize_fn(base_parallelize: Callable) -> Callable:
             sequence_ratio=grpo.importance_sampling_level == "sequence",
             padding_free=grpo.padding_free,
         )
+        if moe_layers(model):
+            model.routing = Routing(model, job_config.moe.router_bias_update_rate)
         job.policy, job.parallel_dims = model, parallel_dims  # the online dataset samples from it
         return model
 

@@ -19,7 +19,7 @@ The model-family contract, all the plugin relies on besides `FAMILIES`' RoPE buf
 Adding a family is one `FAMILIES` entry and its TrainSpec registration (plugin/__init__.py).
 """
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Callable
@@ -31,6 +31,7 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.models.attention import VarlenMetadata
 
 from plugin.model.attention import sequence_bounds, use_packed_attention
+from plugin.model.moe import Routing
 from plugin.model.reference import Reference
 from plugin.runtime import internals
 from plugin.runtime.stats import GRPOStats
@@ -100,6 +101,7 @@ class GRPOModel:
         self.head_reshard_after_forward = False  # the FSDP policy of the head's group, see head_comms_once
         # [grpo] importance_sampling_level = "sequence": the fused pass's terms need each completion's mean log-ratio
         self.sequence_ratio = False
+        self.routing: Routing | None = None  # MoE flavors' routing counts and load-balancing bias (plugin.model.moe)
 
     def configure(self, scoring: Scoring, stats: GRPOStats | None = None, reference: Reference | None = None,
                   token_terms: Callable | None = None, head_reshard_after_forward: bool = False,
@@ -143,10 +145,12 @@ class GRPOModel:
         if r is None:  # labels scored alone (no loss follows)
             return PolicyOutput(*self.score(tokens, labels, **kwargs), ref_logprobs)
         fused_loss = None
-        if self.token_terms is not None and torch.is_grad_enabled():
-            fused_loss, logprobs, entropy = self.fused_loss(tokens, labels, r, ref_logprobs, **kwargs)
-        else:
-            logprobs, entropy = self.score(tokens, labels, **kwargs)
+        # the moe/* metrics and the load-balancing bias count the training passes' routing
+        with self.routing.record("policy") if self.routing is not None and torch.is_grad_enabled() else nullcontext():
+            if self.token_terms is not None and torch.is_grad_enabled():
+                fused_loss, logprobs, entropy = self.fused_loss(tokens, labels, r, ref_logprobs, **kwargs)
+            else:
+                logprobs, entropy = self.score(tokens, labels, **kwargs)
         return PolicyOutput(logprobs, entropy, ref_logprobs, r.old_logprobs, r.advantages, r.rewards, r.loss_weights,
                             r.sampler_logprobs, fused_loss, unpack)
 

@@ -1,4 +1,5 @@
-"""The GRPO metrics processor: torchtitan's, plus the job's grpo/* and online/* statistics (plugin.runtime.stats)."""
+"""The GRPO metrics processor: torchtitan's, plus the job's grpo/* and online/* statistics (plugin.runtime.stats) and an
+MoE policy's moe/* (plugin.model.moe)."""
 
 import sys
 import time
@@ -38,17 +39,21 @@ class PeakKeepingMemoryMonitor:
 class GRPOMetricsProcessor(MetricsProcessor):
     """torchtitan's processor plus the grpo/* and online/* metrics, so they land in the same TensorBoard run."""
 
-    def __init__(self, job_config, parallel_dims, tag=None, *, stats: GRPOStats, online: "OnlineStats | None"):
+    def __init__(self, job_config, parallel_dims, tag=None, *, job: GRPOJob):
         super().__init__(job_config, parallel_dims, tag)
-        self.stats, self.online = stats, online
-        self.device_memory_monitor = PeakKeepingMemoryMonitor(self.device_memory_monitor, stats)
+        self.job, self.stats, self.online = job, job.stats, job.online_stats
+        self.device_memory_monitor = PeakKeepingMemoryMonitor(self.device_memory_monitor, job.stats)
 
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
         # TP/CP ranks hold copies of the same batch: reduce over the data-parallel ranks only
         mesh = self.parallel_dims.get_optional_mesh("batch") if self.parallel_dims.dp_enabled else None
         device = torch.device(self.device_memory_monitor.device)
-        extra = self.stats.reduce(mesh.get_group() if mesh else None, device)
+        group = mesh.get_group() if mesh else None
+        extra = self.stats.reduce(group, device)
         self.stats.reset()
+        routing = getattr(self.job.policy, "routing", None)
+        if routing is not None:  # an MoE policy: moe/* (plugin.model.moe)
+            extra.update(routing.take(group))
         if self.online is not None:
             extra.update(self.online.take())
         if "grpo/real_token_fraction" in extra:
@@ -82,4 +87,4 @@ def leave_together() -> None:
 
 def build_grpo_metrics_processor(job_config, parallel_dims, model_args=None, tag=None):
     job = GRPOJob.of(job_config)
-    return GRPOMetricsProcessor(job_config, parallel_dims, tag, stats=job.stats, online=job.online_stats)
+    return GRPOMetricsProcessor(job_config, parallel_dims, tag, job=job)
