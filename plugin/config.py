@@ -297,6 +297,9 @@ class Moe:
     router_bias_update_rate: float = 0.0
     """torchtitan's auxiliary-loss-free load balancing: after each applied optimizer step, each MoE layer's per-expert routing bias moves by this much toward an even load (+rate for experts below the mean count of the step's training tokens over all data-parallel ranks, -rate above, centered), as Megatron's moe_router_bias_update_rate (verl's Megatron backend). The bias only picks the experts; their gate weights stay the router's softmax. 0 (default): no bias, plain top-k routing, as verl runs Qwen3-MoE for RL and as vLLM's Qwen3-MoE routes. The built-in sampler routes with the policy's bias; the reference's never changes."""
 
+    router_replay: Literal["none", "R2", "R3"] = "none"
+    """Routing replay (verl's router_replay.mode): none, the router chooses in every pass; R2, every training pass over an online batch routes each token to the experts the batch's first pass chose (its old-log-prob pass: needs [online] num_iterations > 1 with behavior_logprobs = "policy"); R3, training passes route each token to the experts the built-in sampler chose when it drew the completion (online). Either way the gate weights are the router's own scores of those experts, so the router keeps its gradient; moe/routing_agreement says how often the router would have chosen them itself."""
+
     def __post_init__(self):
         _check_types("moe", self)
         _check("moe", "router_bias_update_rate", self.router_bias_update_rate,
@@ -418,14 +421,15 @@ def check_expert_parallel(job_config) -> None:
     (one with an expert bias, for the rate); EP as torchtitan can carve it: EP dividing
     its experts (each rank holds an equal share) and the ranks that hold different tokens (EP is carved out of them:
     FSDP's, with expert_tensor_parallel_degree = tensor_parallel_degree; FSDP's times TP's with 1)."""
-    p, m = job_config.parallelism, job_config.model
-    ep, rate = p.expert_parallel_degree, job_config.moe.router_bias_update_rate
-    if ep <= 1 and rate == 0:
+    p, m, moe = job_config.parallelism, job_config.model, job_config.moe
+    ep, rate, replay = p.expert_parallel_degree, moe.router_bias_update_rate, moe.router_replay
+    if ep <= 1 and rate == 0 and replay == "none":
         return
     from torchtitan.protocols.train_spec import get_train_spec
 
     args = get_train_spec(m.name).model_args.get(m.flavor)
-    key = f"[parallelism] expert_parallel_degree = {ep}" if ep > 1 else f"[moe] router_bias_update_rate = {rate}"
+    key = (f"[parallelism] expert_parallel_degree = {ep}" if ep > 1 else
+           f"[moe] router_bias_update_rate = {rate}" if rate > 0 else f'[moe] router_replay = "{replay}"')
     if args is None or not getattr(args, "moe_enabled", False):
         raise ValueError(f"{key} needs a mixture-of-experts flavor: "
                          f"[model] {m.name} flavor {m.flavor!r} has no experts (grpo_qwen3: debugmodel_moe_small, "
@@ -437,6 +441,7 @@ def check_expert_parallel(job_config) -> None:
         logger.warning(f"[moe] router_bias_update_rate = {rate} with [checkpoint] last_save_in_hf: the Hugging Face "
                        "export leaves the trained expert bias out (transformers' and vLLM's Qwen3-MoE have none), so "
                        "the exported model picks its experts without it")
+    check_router_replay(job_config)
     if ep <= 1:
         return
     experts = args.moe_args.num_experts
@@ -457,6 +462,24 @@ def check_expert_parallel(job_config) -> None:
     if ranks % ep:
         raise ValueError(f"[parallelism] expert_parallel_degree = {ep} must divide {which} ({ranks}), "
                          f"the ranks it is carved from (expert_tensor_parallel_degree = {etp})")
+
+
+def check_router_replay(job_config) -> None:
+    """[moe] router_replay needs the passes it replays from: R3 the built-in sampler's (online, eager decode steps),
+    R2 an old-log-prob pass before the training passes (online, num_iterations > 1, behavior_logprobs = "policy")."""
+    replay, online = job_config.moe.router_replay, job_config.online
+    if replay == "none":
+        return
+    if not online.enable:
+        raise ValueError(f'[moe] router_replay = "{replay}" replays the routing of online batches: set [online] '
+                         "enable = true (rollout files carry no routing)")
+    if replay == "R3" and online.compile_decode:
+        raise ValueError('[moe] router_replay = "R3" captures the routing of eager decode steps: set [online] '
+                         "compile_decode = false")
+    if replay == "R2" and (online.num_iterations < 2 or online.behavior_logprobs != "policy"):
+        raise ValueError('[moe] router_replay = "R2" replays the routing of the old-log-prob pass, which runs only '
+                         f"with [online] num_iterations > 1 (now {online.num_iterations}) and behavior_logprobs = "
+                         f'"policy" (now "{online.behavior_logprobs}"); R3 replays the sampler\'s')
 
 
 def check_evaluation(job_config) -> None:

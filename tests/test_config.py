@@ -145,7 +145,7 @@ OUT_OF_RANGE = {
                    filter_groups="", max_num_gen_batches=-1, behavior_logprobs="vllm",
                    mask_truncated_completions="", max_num_seqs=-1, stop_check_every=0, compile_decode="",
                    tools=["no_colon"], max_tool_calling_iterations=-2, tool_call_format="", tool_timeout=-1.0),
-    "moe": dict(router_bias_update_rate=-1.0),
+    "moe": dict(router_bias_update_rate=-1.0, router_replay="R1"),
 }
 SECTIONS = {"grpo": grpo_config.GRPO, "reference_model": grpo_config.ReferenceModel,
             "rollout_data": grpo_config.RolloutData, "online": grpo_config.Online, "moe": grpo_config.Moe}

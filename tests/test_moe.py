@@ -21,6 +21,7 @@ MOE = ["--model.name", "grpo_qwen3", "--model.flavor", "debugmodel_moe_small"]
 STEPS = 3
 RTOL = 1e-4  # fp32: FSDP and EP only move tokens and reorder reductions
 KL_RTOL = 1e-3
+ONLINE_ON = ["--online.enable", "--online.reward_funcs", "plugin.example:arith_reward"]
 HALF = ["--training.local_batch_size", "8"]  # 2 data-parallel ranks: 8 completions each
 NO_TP = ["--parallelism.tensor_parallel_degree", "1"]
 FSDP2 = ["--parallelism.data_parallel_shard_degree", "2"]
@@ -36,9 +37,13 @@ LAYOUTS = {
 }
 # online_cpu.toml: 4 prompts x 8 completions a step, over the data-parallel ranks; torchtitan's load-balancing bias on
 # (its 1e-3 moves nothing in 2 steps of a near-uniform router; 1e-2 moves it)
+# Both also replay the sampler's routing (R3); R2, on 1 rank, trains on each batch twice (num_iterations 2), routed as
+# its old-log-prob pass was
 BIAS_RATE = 0.01
-ONLINE = {name: (n, [*extra, "--moe.router_bias_update_rate", str(BIAS_RATE)]) for name, (n, extra) in
+ONLINE = {name: (n, [*extra, "--moe.router_bias_update_rate", str(BIAS_RATE), "--moe.router_replay", "R3"])
+          for name, (n, extra) in
           {"single": (1, NO_TP), "fsdp2_ep2": (2, [*NO_TP, *FSDP2, *EP2, "--training.local_batch_size", "16"])}.items()}
+ONLINE["r2"] = (1, [*NO_TP, "--moe.router_replay", "R2", "--online.num_iterations", "2"])
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +101,7 @@ def test_compiled_run_trains_as_the_eager_one(runs):
         assert compiled[tag] == pytest.approx(single[tag], rel=rel, abs=1e-12), tag
 
 
-@pytest.mark.parametrize("name", list(ONLINE))
+@pytest.mark.parametrize("name", ["single", "fsdp2_ep2"])
 def test_the_sampler_generates_with_the_trainers_routing(runs, name):
     """Online, with a load-balancing bias that the first step moved: the sampler's log-probs of what it drew are the
     trainer's (the same experts chosen, by the same biased rule), on 1 rank and EP; its moe/sampler_* are recorded
@@ -114,15 +119,29 @@ def test_the_sampler_generates_with_the_trainers_routing(runs, name):
 
 def test_the_load_balancing_bias_and_routing_metrics_are_global(runs):
     """FSDP=2 x EP=2 sums the routing counts of its data-parallel ranks before the bias moves and before moe/* are
-    logged: the same bias and metrics as 1 rank, which drew the same completions; without a rate, no bias is logged."""
+    logged: the same bias and metrics as 1 rank, which drew the same completions; without a rate, no bias is logged.
+    Under R3 both replay the sampler's routing, which their routers would have chosen themselves (fp32, one set of
+    weights): agreement 1."""
     single, ep = runs["online_single"], runs["online_fsdp2_ep2"]
     for tag in ("moe/expert_bias_max_abs", "moe/load_max", "moe/load_min", "moe/sampler_load_max",
-                "moe/sampler_load_min"):
+                "moe/sampler_load_min", "moe/routing_agreement"):
         assert ep[tag] == pytest.approx(single[tag], rel=1e-6), tag
     assert ep["moe/router_entropy"] == pytest.approx(single["moe/router_entropy"], rel=1e-5)
     for name in ("fsdp2", "fsdp2_ep2"):  # from rollouts, no rate
         assert runs[name]["moe/load_max"] == pytest.approx(runs["single"]["moe/load_max"], rel=1e-6)
-    assert "moe/expert_bias_max_abs" not in runs["single"]
+    assert "moe/expert_bias_max_abs" not in runs["single"] and "moe/routing_agreement" not in runs["single"]
+    assert single["moe/routing_agreement"] == [1.0, 1.0]
+    assert ep["loss_metrics/global_avg_loss"] == pytest.approx(single["loss_metrics/global_avg_loss"], rel=RTOL)
+
+
+def test_r2_replays_the_old_log_prob_pass_routing(runs):
+    """R2 with num_iterations 2: both passes over a batch route as its old-log-prob pass did. The first pass has
+    the old pass's weights, so its router agrees everywhere; the second follows an update."""
+    tb = runs["online_r2"]
+    assert len(tb["moe/routing_agreement"]) == 2
+    assert tb["moe/routing_agreement"][0] == 1.0 and 0.5 < tb["moe/routing_agreement"][1] <= 1.0
+    assert all(math.isfinite(x) for x in tb["loss_metrics/global_avg_loss"])
+
 
 
 def test_integer_histc_on_cpu_counts_as_cuda_does():
@@ -233,6 +252,157 @@ def test_routing_counts_the_recorded_passes_and_its_bias_moves_toward_an_even_lo
     assert all(m.expert_bias.abs().max() == 0 for m in moe_layers(model.reference.module))  # its routing never moves
 
 
+class _OneToolTurn:
+    """After a row's first turn (a stop id), append two ids and let it go on once: the sampler's resume path."""
+
+    def resume(self, rows, completions, room):
+        return [[5, 6] if sum(c.count(s) for s in self.stops) < 2 else None for c in completions]
+
+
+def _trainer_rows(prompts, samples, layers):
+    """The training rows of the sampled sequences, right-padded: inputs, labels, the sampler's log-probs on the
+    labels and its captured routing as Collate lays them out."""
+    seqs = [p + c for p, c in zip(prompts, samples.completions)]
+    B, T = len(seqs), max(map(len, seqs)) - 1
+    inputs, labels = torch.zeros(B, T, dtype=torch.long), torch.full((B, T), -100)
+    sampler_lp, routed = torch.full((B, T), math.nan), torch.full((B, T, layers, 2), -1, dtype=torch.int16)
+    for b, (p, q) in enumerate(zip(prompts, seqs)):
+        n = len(q) - 1
+        inputs[b, :n], labels[b, len(p) - 1:n] = torch.tensor(q[:-1]), torch.tensor(q[len(p):])
+        sampler_lp[b, len(p) - 1:n] = torch.tensor(samples.logprobs[b])
+        assert samples.routed_experts[b].shape == (n, layers, 2) and (samples.routed_experts[b] >= 0).all()
+        routed[b, :n] = torch.from_numpy(samples.routed_experts[b])
+    return inputs, labels, sampler_lp, routed
+
+
+def test_replay_routes_the_trainer_as_the_sampler_did_where_their_routers_disagree():
+    """R3 on a constructed near-tie router: the sampler routes with a small expert bias that the trainer lacks (as
+    another engine's numerics would), so the two pick different experts for many tokens. Without replay the
+    trainer's log-probs of the sampled tokens miss the sampler's; replaying the sampler's captured routing (the
+    trainer's own scores as gate weights) gives them back to fp32 rounding. The cached sampler, the no-cache oracle
+    and a resumed tool turn capture the same routing."""
+    from conftest import build_model
+    from plugin.generation.sampler import build_sampler
+
+    model, *_ = build_model(*MOE, "--training.seq_len", "32")
+    routing = model.routing
+    layers = len(routing.layers)
+    with torch.no_grad():
+        for moe in routing.layers:
+            moe.router.gate.weight.mul_(0.01)  # the 8 experts' scores within ~1e-4 of each other
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 2000, (n,), generator=g).tolist() for n in (5, 9, 7, 9)]
+
+    def sample(kv_cache, stops=(), turns=None, bias=2e-3):
+        with torch.no_grad():
+            for moe in routing.layers:
+                moe.expert_bias.copy_(torch.linspace(0, bias, 8))
+        sampler = build_sampler(model, kv_cache=kv_cache, max_new_tokens=12, stop_ids=list(stops), temperature=1.0,
+                                pad_id=0)
+        try:
+            with routing.capturing_samples():
+                return sampler.generate(prompts, [11, 12, 13, 14], turns)
+        finally:
+            with torch.no_grad():
+                for moe in routing.layers:
+                    moe.expert_bias.zero_()
+
+    cached = sample(kv_cache=True)
+    oracle = sample(kv_cache=False)
+    assert cached.completions == oracle.completions
+    for a, b in zip(cached.routed_experts, oracle.routed_experts):
+        assert (a == b).all()
+    stops = [cached.completions[1][4]]
+    turns = _OneToolTurn()
+    turns.stops = stops
+    resumed = [sample(True, stops, turns), sample(False, stops, turns)]
+    assert any(m.count(0) for m in resumed[0].tool_mask)  # a tool turn was appended and decoded after
+    assert resumed[0].completions == resumed[1].completions
+    for a, b in zip(*(r.routed_experts for r in resumed)):
+        assert (a == b).all()
+    assert sample(True, bias=0).routed_experts[0].tolist() != cached.routed_experts[0].tolist()
+
+    inputs, labels, sampler_lp, routed = _trainer_rows(prompts, cached, layers)
+    mask = labels != -100
+    with torch.no_grad():
+        own = model.logprobs(inputs, labels)
+        with routing.replaying(routed):
+            replayed = model.logprobs(inputs, labels)
+    assert (own - sampler_lp)[mask].abs().max() > 1e-3  # seen 5.5e-3
+    torch.testing.assert_close(replayed[mask], sampler_lp[mask], rtol=0, atol=1e-5)  # seen 9.5e-7
+    agreement = routing.take(None)["moe/routing_agreement"]
+    assert 0 < agreement < 0.9  # seen 0.29: the trainer's router picks few of the sampler's experts itself
+
+
+def test_replayed_gate_weights_keep_the_routers_gradient():
+    """A replayed pass routes to the experts given, weighted by the router's own renormalised softmax of them:
+    the router's gate gets a gradient, and the output is the layer's under the same choice."""
+    from conftest import build_model
+
+    model, *_ = build_model(*MOE)
+    routing = model.routing
+    tokens = torch.randint(3, 2000, (2, 10), generator=torch.Generator().manual_seed(1))
+    labels = torch.roll(tokens, -1, 1)
+    own = torch.full((*tokens.shape, len(routing.layers), 2), -1, dtype=torch.int16)
+    with torch.no_grad(), routing.capturing(*tokens.shape, tokens.device) as kept:
+        kept.at(None, None)
+        plain = model.logprobs(tokens, labels)
+    with torch.no_grad(), routing.replaying(own):  # -1 everywhere: the router's own choice
+        torch.testing.assert_close(model.logprobs(tokens, labels), plain, rtol=0, atol=0)
+    with torch.no_grad():
+        logits = model(tokens)
+    with routing.replaying(kept.experts):  # the captured choice replayed: the same pass, differentiable
+        out = model(tokens)
+        out.square().mean().backward()
+    torch.testing.assert_close(out.detach(), logits, rtol=0, atol=1e-6)
+    assert all(m.router.gate.weight.grad.abs().sum() > 0 for m in routing.layers)
+    assert routing.take(None)["moe/routing_agreement"] == 1.0
+    shifted = (kept.experts + 1) % 8  # other experts: other outputs
+    with torch.no_grad(), routing.replaying(shifted):
+        assert (model.logprobs(tokens, labels) - plain).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "padding_free"])
+def test_the_samplers_routing_travels_with_the_batch_and_its_checkpoint(padding_free):
+    """Collate lays each completion's routing out as its input tokens (padded rows, or one padding-free row), -1
+    elsewhere; the rollouts keep it through a mid-replay data checkpoint (pickled), and an older checkpoint's
+    rollouts load without it."""
+    import dataclasses
+    import pickle
+
+    import numpy as np
+
+    from plugin.config import GRPO
+    from plugin.data.batch import Collate, Rollouts
+    from plugin.data.rollouts import Completion
+
+    rng = np.random.default_rng(0)
+    completions = []
+    for prompt_len, total in ((3, 7), (4, 6)):
+        completions.append(Completion(list(range(3, 3 + total)), prompt_len, 1.0, [-0.5] * (total - prompt_len),
+                                      routed_experts=rng.integers(0, 8, (total - 1, 2, 2)).astype(np.int16)))
+    collate = Collate(16, 0, dataclasses.replace(GRPO(), padding_free=padding_free), 2, sampled=True)
+    inputs, _ = collate(torch.tensor([1.0, 0.0]), torch.tensor([4, 2]), [0, 1], completions)
+    routed = inputs["rollouts"].routed_experts
+    assert routed.shape == (*inputs["input"].shape, 2, 2) and routed.dtype == torch.int16
+    flat, start = routed.view(-1, 2, 2), 0
+    for b, c in enumerate(completions):
+        n = len(c.tokens) - 1
+        if not padding_free:
+            start = b * 16
+        assert torch.equal(flat[start:start + n], torch.from_numpy(c.routed_experts))
+        start += n
+    assert (flat >= 0).sum() == sum(c.routed_experts.size for c in completions)  # -1 everywhere else
+    back = pickle.loads(pickle.dumps(inputs["rollouts"]))
+    assert torch.equal(back.routed_experts, routed)
+    old = Rollouts(torch.zeros(1), torch.zeros(1), torch.ones(1))
+    state = old.__reduce_ex__(2)[2]
+    del state[1]["routed_experts"]
+    fresh = Rollouts.__new__(Rollouts)
+    fresh.__setstate__(state)
+    assert fresh.routed_experts is None
+
+
 def test_moe_small_flavor_is_debugmodel_moe_smaller():
     from torchtitan.protocols.train_spec import get_train_spec
 
@@ -261,6 +431,14 @@ def test_moe_small_flavor_is_debugmodel_moe_smaller():
          r"expert_tensor_parallel_degree = 4 .* torchtitan takes 1 or tensor_parallel_degree \(2\)"),
         (["--moe.router_bias_update_rate", "0.001"],
          r"\[moe\] router_bias_update_rate = 0.001 needs a mixture-of-experts flavor: \[model\] grpo_llama3"),
+        (["--moe.router_replay", "R3"], r'\[moe\] router_replay = "R3" needs a mixture-of-experts flavor'),
+        ([*MOE, "--moe.router_replay", "R3"], r'router_replay = "R3" replays the routing of online batches: set '
+                                              r"\[online\] enable = true"),
+        ([*MOE, *ONLINE_ON, "--moe.router_replay", "R3", "--online.compile_decode"],
+         r"set \[online\] compile_decode = false"),
+        ([*MOE, *ONLINE_ON, "--moe.router_replay", "R2"], r"with \[online\] num_iterations > 1 \(now 1\)"),
+        ([*MOE, *ONLINE_ON, "--moe.router_replay", "R2", "--online.num_iterations", "2", "--online.behavior_logprobs",
+          "sampler"], r'behavior_logprobs = "policy" \(now "sampler"\)'),
     ],
 )
 def test_expert_parallel_degrees_torchtitan_cannot_carve_name_the_key(overrides, message):

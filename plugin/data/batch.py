@@ -38,12 +38,12 @@ class Rollouts:
     """
 
     __slots__ = ("advantages", "rewards", "loss_weights", "old_logprobs", "sampler_logprobs", "ref_logprobs",
-                 "seq_lens", "packed")
+                 "seq_lens", "packed", "routed_experts")
 
     def __init__(self, advantages: torch.Tensor, rewards: torch.Tensor, loss_weights: torch.Tensor,
                  old_logprobs: torch.Tensor | None = None, sampler_logprobs: torch.Tensor | None = None,
                  ref_logprobs: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None,
-                 packed: bool = False):
+                 packed: bool = False, routed_experts: torch.Tensor | None = None):
         self.advantages = advantages  # [B] fp32
         self.rewards = rewards  # [B] fp32
         self.loss_weights = loss_weights  # [B] fp32, see loss_weights()
@@ -58,9 +58,13 @@ class Rollouts:
         # the per-token tensors above and the batch's are one padding-free row [1, T]: the B sequences of
         # `seq_lens` end to end, then padding; else [B, T], row b completion b
         self.packed = packed
+        # an MoE policy's routing replay ([moe] router_replay): [B, T, layers, k] int16, the experts each input
+        # position is routed to (-1: the router's own choice); None: the router chooses
+        self.routed_experts = routed_experts
 
     def __setstate__(self, state) -> None:
-        self.seq_lens, self.packed = None, False  # not in a data checkpoint of an earlier version
+        # not in a data checkpoint of an earlier version
+        self.seq_lens, self.packed, self.routed_experts = None, False, None
         # a mid-replay data checkpoint of an earlier version also holds a `keep_logprobs` slot
         for name, value in state[1].items():
             if name in self.__slots__:
@@ -271,10 +275,15 @@ class Collate:
         given_ref = all(c.ref_logprobs and not any(map(math.isnan, c.ref_logprobs)) for c in batch)
         ref_logprobs = torch.zeros(shape) if given_ref and not self.sampled else None
         flat = lambda t: t.view(-1)  # noqa: E731
+        routed = None
+        if batch and batch[0].routed_experts is not None:  # the sampler's routing, replayed (R3)
+            routed = torch.full((*shape, *batch[0].routed_experts.shape[1:]), -1, dtype=torch.int16)
         for i, (c, start) in enumerate(zip(batch, starts)):
             seq = torch.tensor(c.tokens, dtype=torch.long)
             end = start + len(seq) - 1
             flat(inputs)[start:end] = seq[:-1]
+            if routed is not None:
+                routed.view(-1, *routed.shape[2:])[start:end] = torch.from_numpy(c.routed_experts)
             # position t predicts token t+1: completion targets start at prompt_len - 1, within this sequence
             targets = slice(start + c.prompt_len - 1, end)
             if keep is None or keep[rows[i]]:
@@ -288,7 +297,7 @@ class Collate:
                 flat(ref_logprobs)[targets] = torch.tensor(c.ref_logprobs)
         old, sampler = (None, old_logprobs) if self.sampled else (old_logprobs, None)
         rollouts = Rollouts(adv[rows], rewards[rows], weights[rows], old, sampler, ref_logprobs=ref_logprobs,
-                            seq_lens=seq_lens, packed=self.padding_free)
+                            seq_lens=seq_lens, packed=self.padding_free, routed_experts=routed)
         out = {"input": inputs, "labels": labels, "rollouts": rollouts}
         if self.padding_free:
             out["positions"] = packed_positions(seq_lens, shape[1])

@@ -22,10 +22,10 @@ Simplifications:
    splits them into calls).
 """
 
-from contextlib import nullcontext
 import hashlib
 import json
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +62,7 @@ class SampledGroup:
     tool_masks: list[list[int]] | None = None  # multi-turn: 0 on a tool turn's tokens
     tools: list[ToolFigures] | None = None  # multi-turn: each completion's calls, failures and turns
     messages: list[list[dict]] | None = None  # multi-turn: each completion as messages
+    routed_experts: list | None = None  # R3: the sampler's routing of each completion (Samples.routed_experts)
 
     def figures(self) -> "SampledGroup":
         """The group without its prompt and completions: what other DP ranks need of it without filter_groups."""
@@ -139,7 +140,7 @@ class OnlineDataset(IterableDataset, Stateful):
             if self.cfg.behavior_logprobs == "sampler":  # every pass's ratio is to the sampler that drew the batch
                 old = r.sampler_logprobs
             rollouts = Rollouts(r.advantages, r.rewards, r.loss_weights, old, sampler, seq_lens=r.seq_lens,
-                                packed=r.packed)
+                                packed=r.packed, routed_experts=r.routed_experts)
             self.microbatch += 1
             # as collated (input, labels, padding-free positions), the rollouts replaced; old log-probs are in them
             yield {**{k: v for k, v in record.items() if k != "old_logprobs"}, "rollouts": rollouts}, record["labels"]
@@ -210,16 +211,26 @@ class OnlineDataset(IterableDataset, Stateful):
             for row in rows:
                 g, m = final[row // G], row % G
                 completions.append(Completion(g.prompt.ids + g.completions[m], len(g.prompt.ids), rewards[row],
-                                              g.logprobs[m], tool_mask=g.tool_masks[m] if g.tool_masks else None))
+                                              g.logprobs[m], tool_mask=g.tool_masks[m] if g.tool_masks else None,
+                                              routed_experts=g.routed_experts[m] if g.routed_experts else None))
             inputs, labels = self.collate(rewards_t, lens_t, rows, completions, keep)
             batch.append(inputs)
         if cfg.num_iterations > 1 and cfg.behavior_logprobs == "policy":
-            # the replays' old log-probs: the policy's before any update from this batch
+            # the replays' old log-probs: the policy's before any update from this batch. Routing replay: R3 routes
+            # this pass as the sampler did; R2 keeps its routing for every pass over the batch
             device = next(self.policy.parameters()).device
+            routing = getattr(self.policy, "routing", None)
+            replay = routing.replay if routing is not None else "none"
             for record in batch:
                 layout = {"positions": record["positions"].to(device)} if "positions" in record else {}
-                record["old_logprobs"] = self.policy.logprobs(record["input"].to(device), record["labels"].to(device),
-                                                              **layout).cpu()
+                inputs, r = record["input"].to(device), record["rollouts"]
+                capture = routing.capturing(*inputs.shape, device) if replay == "R2" else nullcontext()
+                with capture as kept, routing.replaying(r.routed_experts) if replay == "R3" else nullcontext():
+                    if kept is not None:
+                        kept.at(None, None)
+                    record["old_logprobs"] = self.policy.logprobs(inputs, record["labels"].to(device), **layout).cpu()
+                if kept is not None:
+                    r.routed_experts = kept.experts.cpu()
         return batch
 
     def _sample_round(self, index: int, rnd: int, prompt_ids) -> tuple[list["SampledGroup"], float, int]:
@@ -237,9 +248,10 @@ class OnlineDataset(IterableDataset, Stateful):
 
         start = time.perf_counter()
         turns = self.tools.turns(mine, self.tp_group) if self.tools else None
-        routing = getattr(self.policy, "routing", None)  # an MoE policy's sampler routing: moe/sampler_*
+        routing = getattr(self.policy, "routing", None)  # an MoE policy's sampler routing: moe/sampler_*, R3
         with self.job.stats.peak_memory(next(self.policy.parameters()).device) as memory, \
-                routing.record("sampler") if routing is not None else nullcontext():
+                routing.record("sampler") if routing is not None else nullcontext(), \
+                routing.capturing_samples(routing.replay == "R3") if routing is not None else nullcontext():
             samples = self.sampler.generate([p.ids for p in mine], keys, turns)
         gen_time, gen_peak = time.perf_counter() - start, memory.peak
 
@@ -256,7 +268,8 @@ class OnlineDataset(IterableDataset, Stateful):
                 self.prompts[prompt_ids[i]], totals[rows], lengths[rows], samples.truncated[rows],
                 [r[rows] for r in per_fn], samples.completions[rows], samples.logprobs[rows], texts[rows],
                 masks[rows] if masks is not None else None, tools[rows] if tools else None,
-                messages[rows] if messages else None)
+                messages[rows] if messages else None,
+                samples.routed_experts[rows] if samples.routed_experts is not None else None)
         groups = dict(mine_groups)
         if self.dp_group is not None:
             # the rewards of every group; with filter_groups a kept group, padding-free a completion, may be trained

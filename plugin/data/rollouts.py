@@ -54,6 +54,8 @@ class Completion:
     ref_logprobs: list[float] | None = None  # the reference model's, NaN where unknown
     # per completion token: 1 the model's, 0 a tool turn's (never trained on); None: every token is the model's
     tool_mask: list[int] | None = None
+    # an MoE sampler's routing (R3): [len(tokens) - 1, layers, k] int16, the experts of each input position
+    routed_experts: np.ndarray | None = None
 
     @property
     def loss_length(self) -> int:

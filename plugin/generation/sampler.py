@@ -41,6 +41,9 @@ class Samples:
     truncated: list[bool]  # True: reached max_new_tokens without drawing a stop id (or a tool result would overflow it)
     # with `turns`: 1 where the model drew the token, 0 where a tool turn appended it; None: every token is drawn
     tool_mask: list[list[int]] | None = None
+    # an MoE policy whose routing is captured ([moe] router_replay = "R3"): per sequence, the experts each input
+    # position (prompt + completion but its last token) was routed to, [positions, layers, k] int16; else None
+    routed_experts: list | None = None
 
 
 class Turns(Protocol):
@@ -143,6 +146,7 @@ class _BaseSampler:
         self.model, self.max_new_tokens, self.temperature, self.pad_id = model, max_new_tokens, temperature, pad_id
         self.stop_ids, self.max_num_seqs, self.check_every = list(stop_ids), max_num_seqs, check_every
         self.autocast, self.compile_decode = autocast, compile_decode
+        self._capture = None  # plugin.model.moe.Capture of the call in progress, when the routing is captured
         if compile_decode and any(isinstance(m, FSDPModule) for m in model.modules()):
             # the compiled step would trace FSDP's hooks, which generation_mode keeps eager; not built yet
             raise NotImplementedError("[online] compile_decode with FSDP (data_parallel_shard_degree > 1): "
@@ -176,14 +180,32 @@ class _BaseSampler:
         self._check(prompts, keys)
         cap = self.max_num_seqs or max(len(prompts), 1)
         calls = _max_rank(max(-(-len(prompts) // cap), 1), self.device)
-        out = Samples([], [], [], [] if turns is not None else None)
+        routing = getattr(self.model, "routing", None)
+        captures = routing is not None and routing.captures_samples
+        out = Samples([], [], [], [] if turns is not None else None, [] if captures else None)
         for c in range(calls):
             shifted = None if turns is None else _Shifted(turns, c * cap)  # `turns` numbers the rows of all calls
-            part = self._generate(prompts[c * cap:(c + 1) * cap], keys[c * cap:(c + 1) * cap], shifted)
+            call = prompts[c * cap:(c + 1) * cap]
+            rows, length = _round_up(max(len(call), 1), self.tp), max(map(len, call), default=1) + self.max_new_tokens
+            with routing.capturing(rows, length + self.tp + 1, self.device) if captures else nullcontext() as capture:
+                self._capture = capture
+                try:
+                    part = self._generate(call, keys[c * cap:(c + 1) * cap], shifted)
+                finally:
+                    self._capture = None
             for mine, theirs in zip((out.completions, out.logprobs, out.truncated, out.tool_mask), part):
                 if mine is not None:
                     mine.extend(theirs)
+            if captures:  # each sequence's input positions: its prompt and completion but the last token
+                out.routed_experts.extend(capture.row(b, len(p) + len(done) - 1)
+                                          for b, (p, done) in enumerate(zip(call, part[0])))
         return out
+
+    def _at(self, rows: torch.Tensor, positions: torch.Tensor, source: torch.Tensor | None = None) -> None:
+        """Where the next forward's tokens sit, for a routing capture: token `source[i]` (default i) of the
+        forward's input, flattened, is row `rows[i]`'s input at `positions[i]`."""
+        if self._capture is not None:
+            self._capture.at(rows, positions, source)
 
     def _generate(self, prompts: list[list[int]], keys: list[int], turns: Turns | None) -> tuple:
         """One decode batch, in rounds: a round decodes until no rank has a row in its turn; then `turns` says
@@ -394,6 +416,9 @@ class KVCacheSampler(_BaseSampler):
             m.inner_attention, m.attn_type = cache, "sdpa"
         try:
             # all but each prompt's last token; its logits are not needed
+            cols = torch.arange(prefill, device=self.device)
+            self._at(torch.arange(len(prompts), device=self.device).repeat_interleave(prefill), cols.repeat(len(prompts)),
+                     (index[:, None] * prefill + cols).flatten())  # a unique prompt's tokens, for each of its rows
             self.model.hidden_states(self._padded([p[:-1] for p in firsts], prefill),
                                      positions=self._positions(prefill))
             for cache in caches:
@@ -432,6 +457,7 @@ class _Decode:
         length = self.caches[0].length
         state.length = length if self.sampler.compile_decode else min(self.max_start + width + 1, length)
         state.mask = self._mask(state.positions, state.length)
+        self.sampler._at(rows, state.positions)
         return self.forward(last[None], positions=state.positions[None])
 
     @staticmethod
@@ -485,6 +511,7 @@ class _Decode:
         state.positions = torch.tensor(where, device=device)
         state.length = max(where) + 1
         state.mask = self._mask(state.positions, state.length)
+        self.sampler._at(index[state.rows], state.positions)
         self.sampler.model.hidden_states(torch.tensor([ids], device=device), positions=state.positions[None])
         state.rows = None
         return index
@@ -527,6 +554,7 @@ class _FullForward:
         tokens[:, :self.longest] = self.padded[rows]
         lengths = self.lengths[rows]
         tokens.scatter_(1, lengths[:, None] + torch.arange(width, device=s.device), self.tokens[rows, :width])
+        s._at(rows.repeat_interleave(total), torch.arange(total, device=s.device).repeat(B))
         logits = s.model(tokens, positions=s._positions(total))  # [B', total, V], vocab-sharded under TP
         picks = (lengths + cols - 1).clamp_max(total - 1)
         index = torch.arange(B, device=s.device)

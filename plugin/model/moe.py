@@ -16,6 +16,7 @@ neither generation nor evaluation moves the bias.
 from contextlib import contextmanager
 from functools import partial
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -39,13 +40,18 @@ class Routing:
     """Tokens per expert and router entropy of a model's MoE layers, per pass kind (PASSES), since the last `take`;
     and the policy's training counts since the last bias update."""
 
-    def __init__(self, model: nn.Module, bias_update_rate: float = 0.0):
+    def __init__(self, model: nn.Module, bias_update_rate: float = 0.0, replay: str = "none"):
         self.layers = moe_layers(model)
-        self.bias_update_rate = bias_update_rate
-        self.num_experts = self.layers[0].router.num_experts
+        self.bias_update_rate, self.replay = bias_update_rate, replay  # [moe] router_replay: none, R2 or R3
+        self.num_experts, self.top_k = self.layers[0].router.num_experts, self.layers[0].router.top_k
         self._pass: str | None = None
         self._sums: dict[str, torch.Tensor] = {}  # pass -> [layers, experts + 2]: counts, entropy sum, tokens
         self._since_update: torch.Tensor | None = None  # the policy's counts since the last bias update
+        self._replayed: torch.Tensor | None = None  # [tokens, layers, k] the experts the next forward routes to
+        self._agreement = None  # [2] float64: replayed slots the router would have chosen too, replayed slots
+        self._capture: Capture | None = None
+        # the built-in sampler captures its routing (Samples.routed_experts) while this is set: online batches under R3
+        self.captures_samples = False
         for i, moe in enumerate(self.layers):
             moe.router.register_forward_hook(partial(self._router_hook, i))
 
@@ -59,11 +65,80 @@ class Routing:
         finally:
             self._pass = None
 
-    @torch.no_grad()
-    def _router_hook(self, layer: int, router: nn.Module, args, output) -> None:
-        if self._pass is None:
+    @contextmanager
+    def replaying(self, experts: torch.Tensor | None):
+        """Route the forwards inside with `experts` ([..., layers, k], the input's tokens flattened in order; -1: the
+        router's own choice): each token goes to the experts given, weighted by the router's own scores of them,
+        which keep their gradient (verl's and slime's replay: the gate weights are the scores' gather). None: as is."""
+        if experts is None:
+            yield
             return
-        x, counts = args[0], _local(output[2]).float()
+        assert self._replayed is None
+        self._replayed = experts.reshape(-1, len(self.layers), self.top_k)
+        try:
+            yield
+        finally:
+            self._replayed = None
+
+    @contextmanager
+    def capturing(self, rows: int, length: int, device: torch.device):
+        """Keep the experts chosen by the forwards inside, at the (row, position) each forward's tokens are declared
+        at (`Capture.at`): a [rows, length, layers, k] int16 buffer, -1 where nothing was routed."""
+        assert self._capture is None
+        self._capture = Capture(rows, length, len(self.layers), self.top_k, device)
+        try:
+            yield self._capture
+        finally:
+            self._capture = None
+
+    @contextmanager
+    def capturing_samples(self, on: bool = True):
+        """The built-in sampler captures the routing of what it generates inside (for R3's replay)."""
+        self.captures_samples = on
+        try:
+            yield
+        finally:
+            self.captures_samples = False
+
+    def _router_hook(self, layer: int, router: nn.Module, args, output):
+        if torch.compiler.is_compiling():  # inside a compiled decode step ([online] compile_decode): left alone
+            return None
+        replayed = self._replayed
+        if replayed is not None:
+            output = self._replay(layer, router, args[0], output, replayed[:, layer])
+        if self._capture is not None:
+            self._capture.write(layer, output[1])
+        if self._pass is not None:
+            self._count(layer, router, args[0], output)
+        return output if replayed is not None else None
+
+    def _replay(self, layer: int, router: nn.Module, x: torch.Tensor, output, given: torch.Tensor):
+        """torchtitan's router output with the experts `given` ([tokens, k]; -1: its own): the gate weights are the
+        router's scores of those experts (its score function, route_norm and route_scale, as torchtitan's
+        TokenChoiceTopKRouter), so the router still gets gradients; the counts are of the experts routed to."""
+        top, chosen, counts = output
+        if given.shape[0] != chosen.shape[0]:
+            raise RuntimeError(f"routing replay: layer {layer} routes {chosen.shape[0]} tokens but {given.shape[0]} "
+                               "were recorded for this pass")
+        given = given.to(chosen.device, torch.long)
+        mine = given[:, 0] >= 0
+        experts = torch.where(mine[:, None], given, chosen)
+        scores = _local(router.gate(x)).float()
+        scores = torch.sigmoid(scores) if router.score_func == "sigmoid" else F.softmax(scores, dim=-1)
+        weights = scores.gather(1, experts)
+        if router.route_norm:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        weights = weights * router.route_scale
+        with torch.no_grad():
+            same = (chosen[:, :, None] == experts[:, None, :]).any(-1) & mine[:, None]
+            agreement = torch.stack([same.sum(), mine.sum() * self.top_k]).double()
+            self._agreement = agreement if self._agreement is None else self._agreement + agreement
+            counts = torch.bincount(experts.flatten(), minlength=self.num_experts).to(counts.dtype)
+        return weights.to(top.dtype), experts, counts
+
+    @torch.no_grad()
+    def _count(self, layer: int, router: nn.Module, x: torch.Tensor, output) -> None:
+        counts = _local(output[2]).float()
         scores = _local(router.gate(x)).float()
         entropy = -(F.softmax(scores, -1) * F.log_softmax(scores, -1)).sum(-1)
         row = torch.cat([counts, torch.stack([entropy.sum(), entropy.new_tensor(float(entropy.numel()))])])
@@ -99,6 +174,14 @@ class Routing:
             out[prefix + "load_max"] = load.max(-1).values.mean().item()
             out[prefix + "load_min"] = load.min(-1).values.mean().item()
             out[prefix + "router_entropy"] = (entropy.sum() / tokens.sum()).item()
+        if self.replay != "none" or self._agreement is not None:
+            agreement = self._agreement if self._agreement is not None else torch.zeros(2, dtype=torch.float64,
+                                                                                        device=self._device())
+            self._agreement = None
+            if group is not None:
+                dist.all_reduce(agreement, group=group)
+            if agreement[1] > 0:
+                out["moe/routing_agreement"] = (agreement[0] / agreement[1]).item()
         bias = [moe.expert_bias for moe in self.layers if getattr(moe, "expert_bias", None) is not None]
         if self.bias_update_rate > 0 and bias:
             out["moe/expert_bias_max_abs"] = max(_local(b).abs().max().item() for b in bias)
@@ -135,3 +218,29 @@ class Routing:
         delta -= delta.mean(-1, keepdim=True)
         for moe, d in zip(self.layers, delta):
             _local(moe.expert_bias).add_(d.to(moe.expert_bias.dtype))
+
+
+class Capture:
+    """The experts each (row, position) of a batch was routed to, filled as forwards run (Routing.capturing)."""
+
+    def __init__(self, rows: int, length: int, layers: int, k: int, device: torch.device):
+        self.experts = torch.full((rows, length, layers, k), -1, dtype=torch.int16, device=device)
+        self._rows = self._positions = self._source = None
+
+    def at(self, rows: torch.Tensor | None, positions: torch.Tensor | None, source: torch.Tensor | None = None) -> None:
+        """Token `source[i]` (default i) of the next forward's input, flattened in order, is row `rows[i]`'s at
+        `positions[i]`; rows None: the input is the buffer's [rows, length] itself."""
+        self._rows, self._positions, self._source = rows, positions, source
+
+    def write(self, layer: int, chosen: torch.Tensor) -> None:
+        chosen = _local(chosen).to(torch.int16)
+        if self._rows is None:
+            self.experts[:, :, layer] = chosen.view(*self.experts.shape[:2], -1)
+            return
+        chosen = chosen[self._source] if self._source is not None else chosen[: self._rows.numel()]
+        # a later write to a position wins: a finished row's discarded draws are rewritten, or lie past its end
+        self.experts[self._rows, self._positions, layer] = chosen
+
+    def row(self, b: int, length: int) -> np.ndarray:
+        """Row b's first `length` positions, [length, layers, k] int16 on the host."""
+        return self.experts[b, :length].cpu().numpy()

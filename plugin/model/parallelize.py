@@ -73,7 +73,7 @@ def build_grpo_parallelize_fn(base_parallelize: Callable) -> Callable:
             padding_free=grpo.padding_free,
         )
         if moe_layers(model):
-            model.routing = Routing(model, job_config.moe.router_bias_update_rate)
+            model.routing = Routing(model, job_config.moe.router_bias_update_rate, job_config.moe.router_replay)
         job.policy, job.parallel_dims = model, parallel_dims  # the online dataset samples from it
         return model
 

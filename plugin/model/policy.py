@@ -145,8 +145,11 @@ class GRPOModel:
         if r is None:  # labels scored alone (no loss follows)
             return PolicyOutput(*self.score(tokens, labels, **kwargs), ref_logprobs)
         fused_loss = None
-        # the moe/* metrics and the load-balancing bias count the training passes' routing
-        with self.routing.record("policy") if self.routing is not None and torch.is_grad_enabled() else nullcontext():
+        # the moe/* metrics and the load-balancing bias count the training passes' routing; routing replay (R2, R3)
+        # routes them with the experts the batch carries
+        routing = self.routing
+        with routing.record("policy") if routing is not None and torch.is_grad_enabled() else nullcontext(), \
+                routing.replaying(r.routed_experts) if routing is not None else nullcontext():
             if self.token_terms is not None and torch.is_grad_enabled():
                 fused_loss, logprobs, entropy = self.fused_loss(tokens, labels, r, ref_logprobs, **kwargs)
             else:
