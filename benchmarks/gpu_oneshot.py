@@ -71,9 +71,10 @@ MODES = {
         flavor="0.6B", steps=20, seq_len=1024, batch=8, chunk=256, groups=64, group_size=8,
         prompt=(128, 256), completion=(512, 768), grpo_extra=[],
         multi_turn=dict(steps=3, prompts=8, new_tokens=128, seq_len=256),
-        # torchtitan's own debugmodel_moe (64 experts, top 8): the MoE path of CUDA (grouped_mm, Triton's
-        # permute-index kernel, no plugin.cpu patch), compiled
-        moe=dict(flavor="debugmodel_moe", steps=10, seq_len=1024, batch=8),
+        # train_configs/qwen3_30b_a3b_gpu.toml's settings on 1 GPU with torchtitan's debugmodel_moe (64 experts,
+        # top 8): online sampling, R3 routing replay, full activation checkpointing, compile, bf16; the MoE path of
+        # CUDA (grouped_mm, Triton's permute-index kernel, no plugin.cpu patch)
+        moe=dict(flavor="debugmodel_moe", steps=8, batch=64, new_tokens=64, extra=[]),
         # the whole 0.6B model (28 layers), bf16 as the trainer computes, 32-token prompts, 128 new tokens
         generation=["--device", "cuda", "--dtype", "bfloat16", "--layers", "28", "--uniform", "64x128,256x128",
                     "--no-grpo", "--profile", "", "--attention-check", "--no-plot"],
@@ -86,7 +87,8 @@ MODES = {
         prompt=(16, 32), completion=(64, 96),
         generation=["--device", "cpu", "--layers", "1", "--uniform", "4x8", "--no-grpo", "--profile", "", "--no-plot"],
         multi_turn=dict(steps=2, prompts=2, new_tokens=24, seq_len=80),
-        moe=dict(flavor="debugmodel_moe_small", steps=2, seq_len=128, batch=8),
+        moe=dict(flavor="debugmodel_moe_small", steps=2, batch=16, new_tokens=6,
+                 extra=["--compile.no-enable", "--reference_model.no-compile"]),
         # compiling on a 2-core CPU takes minutes, and the smoke checks the plumbing, not the speed
         grpo_extra=["--compile.no-enable", "--reference_model.no-compile"],
     ),
@@ -331,9 +333,8 @@ def write_rollouts(path: Path, mode: dict, seed: int = 0) -> None:
             f.write(json.dumps({"prompt_ids": prompt, "completions_ids": completions, "rewards": rewards}) + "\n")
 
 
-def grpo_cmd(run: Run, dump: Path, rollouts: Path, extra: list[str], **shape) -> list[str]:
-    """The GRPO part's command; `shape` overrides the mode's flavor, steps, seq_len or batch (the MoE part)."""
-    m = {**run.mode, **shape}
+def grpo_cmd(run: Run, dump: Path, rollouts: Path, extra: list[str]) -> list[str]:
+    m = run.mode
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
         "-m", "torchtitan.train", "--job.config_file", "train_configs/qwen3_0.6b_gpu.toml",
@@ -355,25 +356,52 @@ def part_grpo(run: Run, timeout: float) -> None:
 
 
 def part_moe(run: Run, timeout: float) -> None:
-    """The GRPO part's run on a mixture-of-experts flavor; its figures go to the summary only (8 files come back)."""
-    train(run, timeout, "MoE GRPO run", files=False, **run.mode["moe"])
+    """train_configs/qwen3_30b_a3b_gpu.toml on 1 device with a small MoE flavor (EP and FSDP 1): online sampling of the
+    bundled compare prompts, R3 routing replay, full activation checkpointing; its figures go to the summary."""
+    moe = run.mode["moe"]
+    dump = run.scratch / "moe"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+        "-m", "torchtitan.train", "--job.config_file", "train_configs/qwen3_30b_a3b_gpu.toml",
+        "--job.dump_folder", str(dump), "--model.flavor", moe["flavor"], "--model.hf_assets_path",
+        "plugin/assets/tokenizer", "--checkpoint.no-enable", "--checkpoint.no-initial-load-in-hf",
+        "--parallelism.data_parallel_shard_degree", "1", "--parallelism.expert_parallel_degree", "1",
+        "--training.dataset_path", "data/compare_prompts.jsonl", "--training.seq_len", str(32 + moe["new_tokens"]),
+        "--training.local_batch_size", str(moe["batch"]), "--training.steps", str(moe["steps"]),
+        "--online.reward_funcs", "plugin.example:arith_reward", "--online.max_new_tokens", str(moe["new_tokens"]),
+        "--online.stop_token_ids", "1", "--validation.no-enable", "--metrics.log_freq", "1", *moe["extra"],
+    ]
+    status, detail, output = run.job("MoE online run", cmd, timeout)
+    steps = max(read_scalars(dump), parse_log(output), key=len)
+    compiled = "--compile.no-enable" not in moe["extra"]
+    tags = ("moe/routing_agreement", "online/logprob_mismatch", "moe/load_max", "moe/router_entropy",
+            "online/generated_tokens_per_s", "time_metrics/end_to_end(s)")
+    lines = [f"### MoE, qwen3_30b_a3b_gpu.toml's settings with grpo_qwen3 {moe['flavor']} on 1 device (EP and FSDP 1): "
+             f"online, R3, full AC, {'compiled' if compiled else 'eager'}, bf16; {moe['batch'] // 8} prompts x 8, "
+             f"up to {moe['new_tokens']} new tokens", "",
+             grpo_summary(steps, status if status.startswith("error") or not detail else f"{status}: {detail}",
+                          compiled), "", "| step | " + " | ".join(tags) + " |", "|---:|" + "---:|" * len(tags)]
+    for step in sorted(steps):
+        lines.append(f"| {step} | " + " | ".join(f"{steps[step][t]:.4g}" if t in steps[step] else "" for t in tags)
+                     + " |")
+    run.sections.append("\n".join(lines))
 
 
-def train(run: Run, timeout: float, name: str, files: bool, **shape) -> None:
+def train(run: Run, timeout: float, name: str, files: bool) -> None:
     """One GRPO run of grpo_cmd's; eager again if the compiled one fails; its figures into the summary."""
     deadline = time.perf_counter() + timeout
-    m = {**run.mode, **shape}
+    m = run.mode
     rollouts = run.scratch / "rollouts.jsonl"
     write_rollouts(rollouts, run.mode)
     dump = run.scratch / name.lower().replace(" ", "_")
-    status, detail, output = run.job(name, grpo_cmd(run, dump, rollouts, [], **shape), timeout)
+    status, detail, output = run.job(name, grpo_cmd(run, dump, rollouts, []), timeout)
     compiled = "--compile.no-enable" not in run.mode["grpo_extra"]
     if status not in (OK, OOM, TIMEOUT) and compiled and deadline - time.perf_counter() > 90:
         # the GPU path never ran before this; an eager run still says whether the rest of it works
         run.say(f"compiled {name} failed ({detail}); again without torch.compile")
         shutil.rmtree(dump, ignore_errors=True)
         first = f"compiled run: {status}; then "
-        eager = grpo_cmd(run, dump, rollouts, ["--compile.no-enable", "--reference_model.no-compile"], **shape)
+        eager = grpo_cmd(run, dump, rollouts, ["--compile.no-enable", "--reference_model.no-compile"])
         status, detail, output = run.job(f"{name}, eager", eager, deadline - time.perf_counter())
         compiled = False
     else:

@@ -44,15 +44,23 @@ ONLINE = {name: (n, [*extra, "--moe.router_bias_update_rate", str(BIAS_RATE), "-
           for name, (n, extra) in
           {"single": (1, NO_TP), "fsdp2_ep2": (2, [*NO_TP, *FSDP2, *EP2, "--training.local_batch_size", "16"])}.items()}
 ONLINE["r2"] = (1, [*NO_TP, "--moe.router_replay", "R2", "--online.num_iterations", "2"])
+# the GPU config's twin (FSDP=2 x EP=2, compile, bf16, full activation checkpointing, R3), against itself without
+# compile and checkpointing; a reward that a random policy's completions spread (even token ids)
+TWIN = "train_configs/moe_twin_cpu.toml"
+TWIN_REWARD = ["--online.reward_funcs", "reward_fns:even_ids"]
+TWIN_PLAIN = ["--compile.no-enable", "--reference_model.no-compile", "--activation_checkpoint.mode", "none"]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, seed_checkpoints):
-    """Every layout from rollouts, and online sampling on 1 rank and on FSDP=2 x EP=2: 3 launches (1, 2, 4 ranks)."""
+    """Every layout from rollouts, online sampling on 1 rank and on FSDP=2 x EP=2, the GPU config's twin: 3 launches
+    (1, 2, 4 ranks)."""
     seed = seed_checkpoints["grpo_qwen3_moe"]
     runs = {name: run(seed, n, *MOE, *extra, steps=STEPS) for name, (n, extra) in LAYOUTS.items()}
     for name, (n, extra) in ONLINE.items():
         runs[f"online_{name}"] = run(seed, n, *MOE, *extra, steps=2, config="train_configs/online_cpu.toml")
+    runs["twin"] = run(seed, 2, *TWIN_REWARD, steps=STEPS, config=TWIN)
+    runs["twin_plain"] = run(seed, 2, *TWIN_REWARD, *TWIN_PLAIN, steps=STEPS, config=TWIN)
     return {name: scalars(dump) for name, dump in train_runs(tmp_path_factory, runs).items()}
 
 
@@ -132,6 +140,61 @@ def test_the_load_balancing_bias_and_routing_metrics_are_global(runs):
     assert "moe/expert_bias_max_abs" not in runs["single"] and "moe/routing_agreement" not in runs["single"]
     assert single["moe/routing_agreement"] == [1.0, 1.0]
     assert ep["loss_metrics/global_avg_loss"] == pytest.approx(single["loss_metrics/global_avg_loss"], rel=RTOL)
+
+
+# bf16 with compile and activation checkpointing against bf16 eager (test_gpu_twin's tolerances: step 1 the same
+# weights and draws; later steps follow slightly different updates)
+STEP1_RTOL = 1e-3
+LATER_TOL = {"loss_metrics/global_avg_loss": dict(abs=5e-3), "grad_norm": dict(rel=0.03), "grpo/entropy": dict(rel=0.06)}
+
+
+def test_the_gpu_configs_twin_trains_as_its_plain_run(runs):
+    """train_configs/moe_twin_cpu.toml (qwen3_30b_a3b_gpu.toml's shape) trains as the same run without compile and
+    activation checkpointing; R3's replay agrees with the sampler on almost every slot in bf16."""
+    twin, plain = runs["twin"], runs["twin_plain"]
+    assert max(plain["grpo/reward_std"]) > 0  # advantages, so gradients, to compare
+    for tag, tol in LATER_TOL.items():
+        print(tag, [f"{abs(a - b) / max(abs(b), 1e-30):.1e}" for a, b in zip(twin[tag], plain[tag])])
+        assert len(twin[tag]) == STEPS, tag
+        assert twin[tag][0] == pytest.approx(plain[tag][0], rel=STEP1_RTOL, abs=1e-12), tag
+        assert twin[tag][1:] == pytest.approx(plain[tag][1:], **tol), tag
+    for tb in (twin, plain):
+        # bf16: the sampler's decode steps and the trainer's pass round differently, and a few near-tie slots flip
+        assert all(0.99 < a <= 1 for a in tb["moe/routing_agreement"])
+        assert max(tb["online/logprob_mismatch"]) < 5e-3  # bf16's; seen 9e-4
+
+
+def test_twin_config_is_the_moe_gpu_config_in_miniature(monkeypatch):
+    """The twin changes sizes, the data and the step count, never a parallelism or numerics setting, and the GPU
+    config passes the start-up checks on its 8 ranks (EP=8 carved from FSDP=8, 128 experts)."""
+    import tomllib
+
+    from conftest import REPO
+    from plugin import config as grpo_config
+
+    gpu_path = "train_configs/qwen3_30b_a3b_gpu.toml"
+    gpu, twin = (tomllib.loads((REPO / path).read_text()) for path in (gpu_path, TWIN))
+    same = {
+        "training": ("mixed_precision_param", "mixed_precision_reduce", "max_norm"),
+        "parallelism": ("tensor_parallel_degree", "data_parallel_shard_degree", "expert_tensor_parallel_degree"),
+        "compile": ("enable", "components"),
+        "activation_checkpoint": ("mode",),
+        "grpo": ("beta", "clip_low", "clip_high", "kl_estimator", "temperature"),
+        "moe": ("router_replay", "router_bias_update_rate"),
+        "online": ("enable", "num_generations"),
+        "reference_model": ("compile",),
+    }
+    for section, keys in same.items():
+        for key in keys:
+            assert twin[section][key] == gpu[section][key], f"[{section}] {key}"
+    assert twin["model"]["name"] == gpu["model"]["name"] and gpu["model"]["flavor"] == "30B-A3B"
+    assert twin["parallelism"]["expert_parallel_degree"] > 1 and gpu["parallelism"]["expert_parallel_degree"] == 8
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    from torchtitan.config import ConfigManager
+
+    cfg = ConfigManager().parse_args(["--job.config_file", str(REPO / gpu_path)])
+    assert (cfg.model.flavor, cfg.parallelism.expert_parallel_degree, cfg.moe.router_replay) == ("30B-A3B", 8, "R3")
+    grpo_config.validate_job(cfg)
 
 
 def test_r2_replays_the_old_log_prob_pass_routing(runs):
@@ -360,6 +423,31 @@ def test_replayed_gate_weights_keep_the_routers_gradient():
     shifted = (kept.experts + 1) % 8  # other experts: other outputs
     with torch.no_grad(), routing.replaying(shifted):
         assert (model.logprobs(tokens, labels) - plain).abs().max() > 1e-4
+
+
+def test_replay_holds_through_activation_checkpointings_recompute():
+    """A replayed training pass under full activation checkpointing: the backward runs each block's forward again,
+    and that recompute must route as the forward did (verl's REPLAY_BACKWARD). Its gradients equal those of the
+    same pass without checkpointing, on experts the router would not pick itself."""
+    from conftest import build_model
+
+    grads = {}
+    for mode in ("none", "full"):
+        model, *_ = build_model(*MOE, "--activation_checkpoint.mode", mode)
+        routing = model.routing
+        tokens = torch.randint(3, 2000, (2, 10), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad(), routing.capturing(*tokens.shape, tokens.device) as kept:
+            kept.at(None, None)
+            model(tokens)
+        routing.replay_through_backward((kept.experts + 3) % 8)  # other experts than its own
+        model(tokens).square().mean().backward()
+        routing.after_step(applied=True, group=None)  # the step ends the replay
+        assert routing._replayed is None
+        grads[mode] = {n.replace("_checkpoint_wrapped_module.", ""): p.grad.clone()
+                       for n, p in model.named_parameters() if p.grad is not None}
+    assert grads["none"].keys() == grads["full"].keys()
+    for name, g in grads["none"].items():
+        torch.testing.assert_close(grads["full"][name], g, rtol=1e-5, atol=1e-7, msg=name)
 
 
 @pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "padding_free"])

@@ -65,6 +65,12 @@ class Routing:
         finally:
             self._pass = None
 
+    def replay_through_backward(self, experts: torch.Tensor | None) -> None:
+        """Route the training pass that follows with `experts` (as `replaying`), and keep them for its backward:
+        activation checkpointing runs the forward again there, and a recompute routed otherwise would give the
+        gradient of another network (verl's REPLAY_BACKWARD). The next call or the optimizer step clears them."""
+        self._replayed = None if experts is None else experts.reshape(-1, len(self.layers), self.top_k)
+
     @contextmanager
     def replaying(self, experts: torch.Tensor | None):
         """Route the forwards inside with `experts` ([..., layers, k], the input's tokens flattened in order; -1: the
@@ -204,9 +210,10 @@ class Routing:
 
     @torch.no_grad()
     def after_step(self, applied: bool, group: dist.ProcessGroup | None) -> None:
-        """With a bias update rate: after an applied step, torchtitan's bias update from the policy's training counts
+        """Ends the step's routing replay. With a bias update rate: after an applied step, torchtitan's bias update from the policy's training counts
         since the last one, summed over `group`'s data-parallel ranks: +rate for an expert below its layer's mean
         count, -rate above, centered to sum 0. A step that was not applied moves no bias and drops its counts."""
+        self._replayed = None  # the step's last backward is done: generation and evaluation route for themselves
         rate, counts, self._since_update = self.bias_update_rate, self._since_update, None
         if rate == 0 or not applied:
             return

@@ -148,8 +148,9 @@ class GRPOModel:
         # the moe/* metrics and the load-balancing bias count the training passes' routing; routing replay (R2, R3)
         # routes them with the experts the batch carries
         routing = self.routing
-        with routing.record("policy") if routing is not None and torch.is_grad_enabled() else nullcontext(), \
-                routing.replaying(r.routed_experts) if routing is not None else nullcontext():
+        if routing is not None:  # kept through the backward, whose activation checkpointing may run this again
+            routing.replay_through_backward(r.routed_experts)
+        with routing.record("policy") if routing is not None and torch.is_grad_enabled() else nullcontext():
             if self.token_terms is not None and torch.is_grad_enabled():
                 fused_loss, logprobs, entropy = self.fused_loss(tokens, labels, r, ref_logprobs, **kwargs)
             else:
