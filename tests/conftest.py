@@ -356,11 +356,12 @@ def run(seed: Path, nproc: int, *extra: str, steps: int = 3, config: str = CONFI
     return Run(seed, nproc, extra, steps, config, tuple(sorted((env or {}).items())))
 
 
-def train_runs(tmp_path_factory, runs: dict[str, Run]) -> dict[str, Path]:
-    """Every run's dump folder; runs on the same number of ranks with the same environment share one launch."""
+def train_runs(tmp_path_factory, runs: dict[str, Run], resumes: dict[str, Run] | None = None) -> dict[str, Path]:
+    """Every run's dump folder; runs on the same number of ranks with the same environment share one launch.
+    `resumes`: for a run's name, a run that continues it from its last checkpoint (its dump), last in the launch."""
     dumps = {name: tmp_path_factory.mktemp(name) for name in runs}
     launches = defaultdict(list)
-    for name, r in runs.items():
+    for name, r in [*runs.items(), *(resumes or {}).items()]:
         launches[r.nproc, r.env].append(["--job.config_file", r.config, *r.overrides(dumps[name])])
     for (nproc, env), jobs in launches.items():
         check(torchrun_jobs(nproc, jobs, env=dict(env)))
