@@ -42,7 +42,9 @@ LAYOUTS = {
 BIAS_RATE = 0.01
 ONLINE = {name: (n, [*extra, "--moe.router_bias_update_rate", str(BIAS_RATE), "--moe.router_replay", "R3"])
           for name, (n, extra) in
-          {"single": (1, NO_TP), "fsdp2_ep2": (2, [*NO_TP, *FSDP2, *EP2, "--training.local_batch_size", "16"])}.items()}
+          {"single": (1, NO_TP), "fsdp2_ep2": (2, [*NO_TP, *FSDP2, *EP2, "--training.local_batch_size", "16"]),
+           "tp2": (2, []),  # online_cpu.toml's TP=2
+           "tp2_fsdp2_ep2": (4, [*FSDP2, *EP2, "--training.local_batch_size", "16"])}.items()}
 ONLINE["r2"] = (1, [*NO_TP, "--moe.router_replay", "R2", "--online.num_iterations", "2"])
 # a run stopped at step 3, inside its second batch's replay (num_iterations 2), and resumed: R3's routing is in the
 # saved batch, the load-balancing bias in the model's state
@@ -117,7 +119,7 @@ def test_compiled_run_trains_as_the_eager_one(runs):
         assert compiled[tag] == pytest.approx(single[tag], rel=rel, abs=1e-12), tag
 
 
-@pytest.mark.parametrize("name", ["single", "fsdp2_ep2"])
+@pytest.mark.parametrize("name", ["single", "fsdp2_ep2", "tp2", "tp2_fsdp2_ep2"])
 def test_the_sampler_generates_with_the_trainers_routing(runs, name):
     """Online, with a load-balancing bias that the first step moved: the sampler's log-probs of what it drew are the
     trainer's (the same experts chosen, by the same biased rule), on 1 rank and EP; its moe/sampler_* are recorded
