@@ -1,18 +1,23 @@
-"""Mixture-of-experts routing: what the routers of the policy and of the sampler chose (the `moe/*` metrics), and
-torchtitan's auxiliary-loss-free load balancing ([moe] router_bias_update_rate).
+"""Mixture-of-experts routing: what the routers of the policy and of the sampler chose (the `moe/*` metrics),
+torchtitan's auxiliary-loss-free load balancing ([moe] router_bias_update_rate), and routing replay
+([moe] router_replay: R2, R3).
 
-torchtitan's MoE layer counts its tokens per expert into a buffer on every forward, whoever calls it: training,
-sampling, evaluation. So the counts here come from a forward hook on each layer's router instead, and only while a
-pass is recorded (`Routing.record`): the policy's training passes and the sampler's generation. The hook sits on
-the router module the layer calls, which under compile is torchtitan's compiled wrapper: it runs outside the graph.
-The router's entropy needs its scores, which it does not return, so the hook runs the router's gate again on the
-same input (one [tokens, dim] x [dim, experts] product, no gradient).
+Everything goes through one forward hook on each layer's router, the module the MoE layer calls: under compile
+that is torchtitan's compiled wrapper, so the hook runs outside the graph. It
 
-torchtitan's own balancing (`build_optimizers_with_moe_load_balancing`) is an optimizer pre-hook over those
-buffers; its update is redone in `update_expert_bias` from the policy's recorded training tokens only, so that
-neither generation nor evaluation moves the bias.
+- counts the experts chosen and the router's entropy while a pass is recorded (`Routing.record`): the policy's
+  training passes and the sampler's generation, not evaluation. torchtitan's own `tokens_per_expert` buffer
+  counts every forward, whoever calls it. The entropy needs the router's scores, which it does not return, so the
+  hook runs its gate again on the same input (one [tokens, dim] x [dim, experts] product, no gradient);
+- replaces the router's choice with given experts (replay), the gate weights recomputed from the router's own
+  scores of them, so that the router keeps its gradient;
+- keeps the experts chosen at declared (row, position)s (`Capture`): the sampler's routing for R3, the
+  old-log-prob pass's for R2.
+
+torchtitan's balancing (`build_optimizers_with_moe_load_balancing`) is an optimizer pre-hook over its buffers; its
+update is redone in `Routing.after_step` from the policy's recorded training tokens only, so that neither
+generation nor evaluation moves the bias.
 """
-
 from contextlib import contextmanager
 from functools import partial
 
@@ -37,8 +42,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class Routing:
-    """Tokens per expert and router entropy of a model's MoE layers, per pass kind (PASSES), since the last `take`;
-    and the policy's training counts since the last bias update."""
+    """A policy's MoE routing: tokens per expert and router entropy per pass kind (PASSES) since the last `take`,
+    the policy's training counts since the last bias update, the experts replayed, a capture in progress."""
 
     def __init__(self, model: nn.Module, bias_update_rate: float = 0.0, replay: str = "none"):
         self.layers = moe_layers(model)
