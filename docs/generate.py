@@ -36,7 +36,7 @@ OWNERS = {
     "learning_signal": "learning_signal", "logprob_memory": "logprob_memory", "memory_soak": "memory_soak",
     "online_learning": "learning_signal", "padding_free": "padding_free", "reference_offload": "reference_offload", "repeat_test": "repeat_test",
     "rollout_scale": "rollout_scale", "smollm2_learning": "smollm2_learning", "step_time": "step_time",
-    "tool_learning": "tool_learning", "trl_parity": "trl_parity",
+    "tool_learning": "tool_learning", "trl_parity": "trl_parity", "moe": "moe",
 }
 REFERENCE = REPO / "docs" / "reference.md"
 CONFIG_SOURCE = REPO / "plugin" / "config.py"
