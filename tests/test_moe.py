@@ -29,6 +29,9 @@ EP2 = ["--parallelism.expert_parallel_degree", "2"]
 LAYOUTS = {
     "single": (1, NO_TP),
     "compiled": (1, [*NO_TP, "--compile.enable", "--reference_model.compile"]),
+    # the log-prob paths: the default fused pass in 32-token chunks, and log-probs to the loss in chunks
+    "chunked": (1, [*NO_TP, "--grpo.logprob_chunk_tokens", "32"]),
+    "unfused_chunked": (1, [*NO_TP, "--grpo.logprob_chunk_tokens", "32", "--grpo.no_fused_policy_pass"]),
     "fsdp2": (2, [*NO_TP, *FSDP2, *HALF]),
     "fsdp2_ep2": (2, [*NO_TP, *FSDP2, *EP2, *HALF]),
     "tp2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
@@ -117,6 +120,19 @@ def test_compiled_run_trains_as_the_eager_one(runs):
         print(tag, [f"{abs(a - b) / max(abs(b), 1e-30):.1e}" for a, b in zip(compiled[tag], single[tag])])
         assert len(compiled[tag]) == STEPS
         assert compiled[tag] == pytest.approx(single[tag], rel=rel, abs=1e-12), tag
+
+
+@pytest.mark.parametrize("name", ["chunked", "unfused_chunked"])
+def test_the_log_prob_paths_train_as_one_pass(runs, name):
+    """The fused pass in chunks, and log-probs to the loss in chunks (recomputed in backward), against the fused pass
+    over the whole batch: the same MoE training in fp32."""
+    single, other = runs["single"], runs[name]
+    # (moe/load_max is left out: a near-tie token that changes expert moves an integer count, seen 2% at step 3)
+    for tag, rel in {**COMPILED_TOL, "moe/router_entropy": 1e-4}.items():
+        print(name, tag, [f"{abs(a - b) / max(abs(b), 1e-30):.1e}" for a, b in zip(other[tag], single[tag])])
+        # step 1: the same weights, chunks only reorder sums; later steps as the compiled run (near-tie routing)
+        assert other[tag][0] == pytest.approx(single[tag][0], rel=RTOL, abs=1e-12), tag
+        assert other[tag] == pytest.approx(single[tag], rel=rel, abs=1e-12), tag
 
 
 @pytest.mark.parametrize("name", ["single", "fsdp2_ep2", "tp2", "tp2_fsdp2_ep2"])
