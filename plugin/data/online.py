@@ -226,8 +226,6 @@ class OnlineDataset(IterableDataset, Stateful):
                 inputs, r = record["input"].to(device), record["rollouts"]
                 capture = routing.capturing(*inputs.shape, device) if replay == "R2" else nullcontext()
                 with capture as kept, routing.replaying(r.routed_experts) if replay == "R3" else nullcontext():
-                    if kept is not None:
-                        kept.at(None, None)
                     record["old_logprobs"] = self.policy.logprobs(inputs, record["labels"].to(device), **layout).cpu()
                 if kept is not None:
                     r.routed_experts = kept.experts.cpu()

@@ -8,7 +8,7 @@ that is torchtitan's compiled wrapper, so the hook runs outside the graph. It
 - counts the experts chosen and the router's entropy while a pass is recorded (`Routing.record`): the policy's
   training passes and the sampler's generation, not evaluation. torchtitan's own `tokens_per_expert` buffer
   counts every forward, whoever calls it. The entropy needs the router's scores, which it does not return, so the
-  hook runs its gate again on the same input (one [tokens, dim] x [dim, experts] product, no gradient);
+  hook runs its gate again on the same input (one [tokens, dim] x [dim, experts] product, which a replay shares);
 - replaces the router's choice with given experts (replay), the gate weights recomputed from the router's own
   scores of them, so that the router keeps its gradient;
 - keeps the experts chosen at declared (row, position)s (`Capture`): the sampler's routing for R3, the
@@ -115,15 +115,17 @@ class Routing:
         if torch.compiler.is_compiling():  # inside a compiled decode step ([online] compile_decode): left alone
             return None
         replayed = self._replayed
+        # the router's scores before its choice, which it does not return: its gate once more, for both uses
+        logits = _local(router.gate(args[0])).float() if replayed is not None or self._pass is not None else None
         if replayed is not None:
-            output = self._replay(layer, router, args[0], output, replayed[:, layer])
+            output = self._replay(layer, router, logits, output, replayed[:, layer])
         if self._capture is not None:
             self._capture.write(layer, output[1])
         if self._pass is not None:
-            self._count(layer, router, args[0], output)
+            self._count(layer, logits.detach(), output)
         return output if replayed is not None else None
 
-    def _replay(self, layer: int, router: nn.Module, x: torch.Tensor, output, given: torch.Tensor):
+    def _replay(self, layer: int, router: nn.Module, logits: torch.Tensor, output, given: torch.Tensor):
         """torchtitan's router output with the experts `given` ([tokens, k]; -1: its own): the gate weights are the
         router's scores of those experts (its score function, route_norm and route_scale, as torchtitan's
         TokenChoiceTopKRouter), so the router still gets gradients; the counts are of the experts routed to."""
@@ -134,8 +136,7 @@ class Routing:
         given = given.to(chosen.device, torch.long)
         mine = given[:, 0] >= 0
         experts = torch.where(mine[:, None], given, chosen)
-        scores = _local(router.gate(x)).float()
-        scores = torch.sigmoid(scores) if router.score_func == "sigmoid" else F.softmax(scores, dim=-1)
+        scores = torch.sigmoid(logits) if router.score_func == "sigmoid" else F.softmax(logits, dim=-1)
         weights = scores.gather(1, experts)
         if router.route_norm:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -148,10 +149,9 @@ class Routing:
         return weights.to(top.dtype), experts, counts
 
     @torch.no_grad()
-    def _count(self, layer: int, router: nn.Module, x: torch.Tensor, output) -> None:
+    def _count(self, layer: int, logits: torch.Tensor, output) -> None:
         counts = _local(output[2]).float()
-        scores = _local(router.gate(x)).float()
-        entropy = -(F.softmax(scores, -1) * F.log_softmax(scores, -1)).sum(-1)
+        entropy = -(F.softmax(logits, -1) * F.log_softmax(logits, -1)).sum(-1)
         row = torch.cat([counts, torch.stack([entropy.sum(), entropy.new_tensor(float(entropy.numel()))])])
         sums = self._sums.get(self._pass)
         if sums is None:
