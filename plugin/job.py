@@ -10,6 +10,7 @@ So what they share is one `GRPOJob`, made by the first builder that asks for it
 | stats          | GRPOJob                              | the policy (its configure), the loss, the metrics processor |
 | online_stats   | the online dataset's builder         | the metrics processor                                |
 | policy, parallel_dims | the parallelize function      | the online dataset, which samples from the policy    |
+| vllm           | the first [online] use_vllm sampler  | training's and evaluation's samplers; the metrics processor closes it |
 
 The optimizer builder gets the policy from torchtitan and its reference and stats from it.
 """
@@ -27,6 +28,7 @@ class GRPOJob:
         self.online_stats: OnlineStats | None = None
         self.policy = None  # the parallelized policy, once built
         self.parallel_dims = None
+        self.vllm = None  # [online] use_vllm: this rank's engine (plugin.generation.vllm), built at the first generation
 
     @staticmethod
     def of(job_config) -> "GRPOJob":

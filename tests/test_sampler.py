@@ -689,7 +689,7 @@ def _dtypes(layout):
         lambda m, a: seen.append(("cache", getattr(m.inner_attention, "k", None) is not None
                                   and m.inner_attention.k.dtype)))
     cfg = parse_config(*flags)
-    sampler = online_sampler(model, cfg.online, pd, "bfloat16", stop_ids=[], temperature=TEMPERATURE, pad_id=PAD)
+    sampler = online_sampler(model, cfg, pd, stop_ids=[], temperature=TEMPERATURE, pad_id=PAD)
     sampler.generate(prompts()[:3], KEYS[:3])
     generation, seen[:] = list(seen), []
     with maybe_enable_amp(pd, "bfloat16", "cpu"):

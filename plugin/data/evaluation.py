@@ -71,8 +71,7 @@ class GRPOEvaluator(BaseValidator):
         if self.model is not model_parts[0]:
             self.model = model_parts[0]
             # eval_temperature 0 takes the sampler's greedy path: the argmax, without noise
-            self.sampler = online_sampler(self.model, online, self.parallel_dims,
-                                          self.job_config.training.mixed_precision_param, stop_ids=self.stop_ids,
+            self.sampler = online_sampler(self.model, self.job_config, self.parallel_dims, stop_ids=self.stop_ids,
                                           temperature=online.eval_temperature, pad_id=self.pad_id)
         G, seed = online.num_generations_eval, self.job_config.debug.seed or 0
         start = time.perf_counter()

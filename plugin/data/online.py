@@ -69,11 +69,21 @@ class SampledGroup:
         return SampledGroup(None, self.rewards, self.lengths, self.truncated, self.fn_rewards, tools=self.tools)
 
 
-def online_sampler(policy, cfg, parallel_dims, mixed_precision_param: str, *, stop_ids: list[int], temperature: float,
-                   pad_id: int):
-    """The sampler of the [online] settings `cfg` over `policy`, for training batches and for evaluation alike."""
+def online_sampler(policy, job_config, parallel_dims, *, stop_ids: list[int], temperature: float, pad_id: int):
+    """The sampler of the job's [online] settings over `policy`, for training batches and for evaluation alike:
+    the built-in one, or with use_vllm one over the job's vLLM engine (built at the first call)."""
+    cfg = job_config.online
+    if cfg.use_vllm:
+        from plugin.generation.vllm import VLLMEngine, VLLMSampler
+
+        job = GRPOJob.of(job_config)
+        if job.vllm is None:
+            job.vllm = VLLMEngine(job_config, policy, parallel_dims, job.online_stats)
+        return VLLMSampler(job.vllm, max_new_tokens=cfg.max_new_tokens, stop_ids=stop_ids, temperature=temperature,
+                           max_seq_len=policy.model_args.max_seq_len, device=next(policy.parameters()).device)
     # the training forward's autocast (none under FSDP, whose parameters are already in the compute dtype)
-    amp = maybe_enable_amp(parallel_dims, mixed_precision_param, next(policy.parameters()).device.type)
+    amp = maybe_enable_amp(parallel_dims, job_config.training.mixed_precision_param,
+                           next(policy.parameters()).device.type)
     return build_sampler(policy, kv_cache=cfg.kv_cache, max_new_tokens=cfg.max_new_tokens, stop_ids=stop_ids,
                          temperature=temperature, pad_id=pad_id, max_num_seqs=cfg.max_num_seqs,
                          check_every=cfg.stop_check_every, compile_decode=cfg.compile_decode, autocast=lambda: amp)
@@ -93,11 +103,11 @@ class OnlineDataset(IterableDataset, Stateful):
 
     def __init__(self, prompts: list[Prompt], plan, collate, seed: int, online, reward_fns, tokenizer,
                  pad_id: int, stop_ids: list[int], temperature: float, dump_folder: str, job: GRPOJob,
-                 stats: OnlineStats, mixed_precision_param: str = "float32", tools: ToolSetup | None = None):
+                 stats: OnlineStats, job_config=None, tools: ToolSetup | None = None):
         self.prompts, self.plan, self.collate, self.seed, self.cfg = prompts, plan, collate, seed, online
         self.reward_fns, self.tokenizer, self.pad_id, self.stop_ids = reward_fns, tokenizer, pad_id, stop_ids
         self.temperature, self.dump_folder, self.job, self.stats = temperature, dump_folder, job, stats
-        self.mixed_precision_param = mixed_precision_param  # [training]: the dtype the trainer computes in
+        self.job_config = job_config  # the job's whole config: the sampler's settings (online_sampler)
         self.tools = tools  # [online] tools: completions are multi-turn
         self.stream = GroupStream(len(prompts), plan.groups_per_step, seed)
         # the next batch's first stream position: K per batch, more where filter_groups sampled extra rounds
@@ -119,8 +129,8 @@ class OnlineDataset(IterableDataset, Stateful):
         self.writes_log = tp == 1 or parallel_dims.get_optional_mesh("tp").get_local_rank() == 0  # TP peers agree
         if tp > 1:  # TP peers sample the same completions: each scores a share of them
             self.tp_group = parallel_dims.get_optional_mesh("tp").get_group()
-        self.sampler = online_sampler(self.policy, self.cfg, parallel_dims, self.mixed_precision_param,
-                                      stop_ids=self.stop_ids, temperature=self.temperature, pad_id=self.pad_id)
+        self.sampler = online_sampler(self.policy, self.job_config, parallel_dims, stop_ids=self.stop_ids,
+                                      temperature=self.temperature, pad_id=self.pad_id)
 
     def __iter__(self):
         plan, mu = self.plan, self.cfg.num_iterations
@@ -349,4 +359,4 @@ def build_online_dataset(job_config, job: GRPOJob, tokenizer, encoder, batching)
     )
     return OnlineDataset(prompts, plan, collate, job_config.debug.seed or 0, online, reward_fns, tokenizer,
                          collate.pad_id, stop_ids, grpo.temperature, job_config.job.dump_folder, job, job.online_stats,
-                         training.mixed_precision_param, tools)
+                         job_config, tools)

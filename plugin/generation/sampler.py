@@ -105,6 +105,20 @@ def max_prompt_tokens(seq_len: int, max_new_tokens: int) -> int:
     return seq_len + 1 - max_new_tokens
 
 
+def check_prompts(prompts: list[list[int]], keys: list[int], max_seq_len: int, max_new_tokens: int, device) -> None:
+    """Raise on every rank if a prompt on any rank cannot be sampled from, rather than leave peers waiting."""
+    if len(keys) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(keys)} keys")
+    error, limit = None, max_prompt_tokens(max_seq_len, max_new_tokens)
+    for i, p in enumerate(prompts):
+        if not 1 <= len(p) <= limit:
+            error = (f"prompt {i} has {len(p)} tokens: it needs 1 to {limit} with max_new_tokens = {max_new_tokens} "
+                     f"and RoPE positions below {max_seq_len} (the model's max_seq_len, [training] seq_len)")
+            break
+    if _any_rank(error is not None, device):
+        raise ValueError(error or "a prompt on another rank cannot be sampled from (see that rank's error)")
+
+
 @contextmanager
 def generation_mode(model: nn.Module):
     """No grad, compiled blocks run eagerly, FSDP's parameters stay gathered across forwards; clean after.
@@ -155,20 +169,6 @@ class _BaseSampler:
         self.max_seq_len = model.model_args.max_seq_len  # the RoPE table's length
         self.device = next(model.parameters()).device
 
-    def _check(self, prompts: list[list[int]], keys: list[int]) -> None:
-        """Raise on every rank if a prompt on any rank cannot be sampled from, rather than leave peers waiting."""
-        if len(keys) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(keys)} keys")
-        error, limit = None, max_prompt_tokens(self.max_seq_len, self.max_new_tokens)
-        for i, p in enumerate(prompts):
-            if not 1 <= len(p) <= limit:
-                error = (f"prompt {i} has {len(p)} tokens: it needs 1 to {limit} with max_new_tokens = "
-                         f"{self.max_new_tokens} and RoPE positions below {self.max_seq_len} (the model's "
-                         "max_seq_len, [training] seq_len)")
-                break
-        if _any_rank(error is not None, self.device):
-            raise ValueError(error or "a prompt on another rank cannot be sampled from (see that rank's error)")
-
     def generate(self, prompts: list[list[int]], keys: list[int], turns: Turns | None = None) -> Samples:
         """Sample a completion for each prompt; every rank calls this at the same time.
 
@@ -177,7 +177,7 @@ class _BaseSampler:
         the rank that needs most (each call's steps hold collectives). With `turns`, a row whose
         turn ends with a stop id may get ids appended (a tool turn) and go on from its cache.
         """
-        self._check(prompts, keys)
+        check_prompts(prompts, keys, self.max_seq_len, self.max_new_tokens, self.device)
         cap = self.max_num_seqs or max(len(prompts), 1)
         calls = _max_rank(max(-(-len(prompts) // cap), 1), self.device)
         routing = getattr(self.model, "routing", None)

@@ -78,6 +78,8 @@ class GRPOOptimizersContainer(OptimizersContainer):
             # torch runs the step post-hooks all the same; _sync_reference reads `applied`
             return refuse_step(bad, self.step_calls, self.stats)
         self.applied_steps += 1
+        policy = self.model_parts[0]
+        policy.weights_version = getattr(policy, "weights_version", 0) + 1
         # not super().step(): torch wraps the step of each container class it builds with the hooks' runner, so
         # OptimizersContainer.step may be wrapped too (in a process that built one) and run the hooks twice
         for optimizer in self.optimizers:

