@@ -21,6 +21,11 @@ device tool brings back), go to $OUT if set, else benchmarks/results/gpu/:
   (the multi-turn and MoE runs' figures are in gpu_summary.md)
 
 --smoke runs the same parts on CPU with tiny shapes and 2 steps, to check this script anywhere.
+
+Not here: vLLM ([online] use_vllm). The lent machine reaches no package registry, and vLLM's CUDA wheel (hundreds of
+MB, with its own compiled kernels and a torch pin of its own) is not among what travels in --prepare-wheels' folder;
+the vLLM path is measured on CPU (benchmarks/vllm_rollouts.py) and its GPU settings (sleep mode, per-request seeds,
+gpu_memory_utilization) have not run.
 Standard library only, so it runs before anything is installed.
 """
 

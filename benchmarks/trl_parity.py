@@ -337,6 +337,10 @@ TABLES = {
     "trl_parity": dict(script="trl_parity.py", pick=table_rows),
     "trl_parity_train": dict(script="trl_parity.py", pick=train_table_rows),
     "trl_parity_replies": dict(script="trl_parity.py", pick=replies_table_rows),
+    # --only ours_vllm --name vllm_learning: the same tables of the vLLM-sampled runs
+    "vllm_learning": dict(script="trl_parity.py", pick=table_rows),
+    "vllm_learning_train": dict(script="trl_parity.py", pick=train_table_rows),
+    "vllm_learning_replies": dict(script="trl_parity.py", pick=replies_table_rows),
 }
 
 
