@@ -5,8 +5,8 @@ qwen3's debugmodel_small (head size 32: CPU vLLM's attention has no kernel for t
 - in a spawned rank, the proof that the engine is the policy: log-probs of fixed sequences equal the trainer's
   after a sync, move with it after an optimizer step, and a sync left out shows;
 - in one torchrun launch, three 3-step online runs with tools and an evaluation, on FSDP=2, TP=2 (the engines are
-  the TP groups) and FSDP=2 under one engine of 2 ranks; each step's sampler/trainer log-prob mismatch stays at
-  fp32's level while the weights move.
+  the TP groups) and FSDP=2 under one engine of 2 ranks, and the first resumed for a fourth step; each step's
+  sampler/trainer log-prob mismatch stays at fp32's level while the weights move, the resumed one too.
 The quick ones check the keys' errors and the sampler's turns over a stand-in engine.
 """
 
@@ -200,7 +200,7 @@ TOOLS = ("--experimental.custom_import", "toy_tools", "--online.tools", "toy_too
          "--online.stop_token_ids", *map(str, STOPS), "--training.local_batch_size", "8",
          "--training.global_batch_size", "16")
 LAYOUTS = {
-    "FSDP=2": ("--parallelism.tensor_parallel_degree", "1"),
+    "FSDP=2": ("--parallelism.tensor_parallel_degree", "1", "--checkpoint.no-last-save-model-only"),
     "TP=2": ("--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "16"),
     "FSDP=2, one engine": ("--parallelism.tensor_parallel_degree", "1", "--online.vllm_tensor_parallel_size", "2"),
 }
@@ -222,6 +222,8 @@ def runs(tmp_path_factory, qwen3_seed_checkpoint) -> dict[str, Path]:
              "--validation.enable", "--validation.dataset_path", str(prompts), "--validation.freq", str(STEPS),
              "--validation.local_batch_size", "2", "--online.eval_log_completions"]
             for name, flags in LAYOUTS.items()]
+    # FSDP=2 resumed from its last step for one more: the engine is built from scratch and must load the resumed weights
+    jobs.append([*jobs[0], "--training.steps", str(STEPS + 1)])
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")])),
            "TOY_TOOL_LOG": str(calls)}
     check(torchrun_jobs(2, jobs, env=env))
@@ -241,6 +243,9 @@ def test_the_sampler_stays_the_policy_while_it_trains(runs):
         assert len(set(syncs)) == 1 and syncs[0] > 0, (name, syncs)  # a whole model before every batch
         assert tags["online/weight_sync_time(s)"][1] > 0
         assert f"eval/reward/even_ids_mean" in {k for k, v in tags.items() if STEPS in v}, name  # the same engine
+    # the resumed run: its new engine's first batch is sampled from the weights of step 3, not the seed checkpoint's
+    resumed = scalars_by_step(runs.dumps["FSDP=2"])
+    assert resumed["online/logprob_mismatch"][STEPS + 1] < 2e-5, resumed["online/logprob_mismatch"]
 
 
 def _trajectories(dump: Path) -> list[dict]:
@@ -253,7 +258,8 @@ def test_tool_turns_are_ids_masked_and_each_call_runs_once(runs):
     made = 0
     for name, dump in runs.dumps.items():
         rows = _trajectories(dump)
-        assert len(rows) == 16 * STEPS, name  # every completion of every batch, logged once (TP peers agree)
+        steps = STEPS + (name == "FSDP=2")  # and its resumed step
+        assert len(rows) == 16 * steps, name  # every completion of every batch, logged once (TP peers agree)
         called = [r for r in rows if any(m["role"] == "tool" for m in r["completion"])]
         assert called and len(called) < len(rows), name  # some rows called, some never
         for r in called:
