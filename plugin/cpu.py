@@ -192,7 +192,7 @@ def hide_unloadable(names=CUDA_ONLY_MEDIA) -> list[str]:
     """
     if torch.version.cuda is not None:
         return []
-    hidden = []
+    hidden, why = [], []
     for name in names:
         if name in sys.modules or importlib.util.find_spec(name) is None:
             continue
@@ -203,9 +203,10 @@ def hide_unloadable(names=CUDA_ONLY_MEDIA) -> list[str]:
                 del sys.modules[loaded]
             sys.modules[name] = None
             hidden.append(name)
-            logger.warning(f"{name} is installed but cannot be imported on this CPU torch ({type(e).__name__}: "
-                           f"{str(e).splitlines()[0][:120]}); vLLM and transformers run without it")
+            why.append(f"{name} ({type(e).__name__}: {str(e).splitlines()[0][:80]})")
     if hidden:
+        logger.info(f"Installed but not loadable on this CPU torch, so hidden from vLLM and transformers (text models "
+                    f"need none of them): {'; '.join(why)}")
         internals.vllm_registry_command(f"import sys\nfor n in {hidden!r}: sys.modules[n] = None")
     return hidden
 

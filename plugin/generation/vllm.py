@@ -25,6 +25,7 @@ import math
 import os
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -165,6 +166,24 @@ class VLLMEngine:
         self.group = dist.new_subgroups(self.vtp)[0] if self.vtp > self.tp else None
         self.version = None  # the policy's weights_version last loaded; None: dummy weights
 
+    @contextmanager
+    def awake(self):
+        """The engine ready to generate, its weights the policy's. With vllm_enable_sleep_mode (GPU), it sleeps at
+        level 2 between generations (weights and KV cache released) and wakes in two stages, the weights then
+        loaded, then the cache: old weights, new weights and the cache never hold memory at once (vllm#15254)."""
+        if not self.cfg.vllm_enable_sleep_mode:
+            self.sync()
+            yield
+            return
+        self.llm.wake_up(tags=["weights"])
+        self.version = None  # a level-2 sleep dropped them: load whatever the version
+        self.sync()
+        self.llm.wake_up(tags=["kv_cache"])
+        try:
+            yield
+        finally:
+            self.llm.sleep(level=2)
+
     def sync(self) -> None:
         """Load the policy's weights if an optimizer step changed them since the last load; every rank at once."""
         version = self.policy.weights_version
@@ -226,7 +245,10 @@ class VLLMSampler:
         goes on, its whole row (prompt, completion so far, appended ids) the next request, whose prefix the
         engine's cache holds. Every rank runs the same rounds (peers' tools and engines wait on each other)."""
         check_prompts(prompts, keys, self.max_seq_len, self.max_new_tokens, self.device)
-        self.engine.sync()
+        with self.engine.awake():
+            return self._generate(prompts, keys, turns)
+
+    def _generate(self, prompts: list[list[int]], keys: list[int], turns: Turns | None) -> Samples:
         N, n = self.max_new_tokens, len(prompts)
         completions, logprobs = [[] for _ in range(n)], [[] for _ in range(n)]
         mask = [[] for _ in range(n)] if turns is not None else None
