@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torchtitan.tools.logging import logger
 
 from plugin import cpu
 from plugin.generation.sampler import Samples, Turns, _any_rank, check_prompts
@@ -158,10 +159,13 @@ class VLLMEngine:
         self._params, self._prompt = SamplingParams, TokensPrompt
         start = time.perf_counter()
         self.llm = LLM(**kwargs)
-        self.build_seconds = time.perf_counter() - start
         for k, value in saved.items():
             if value is not None:
                 os.environ[k] = value
+        logger.info(f"vLLM engine of {self.vtp} rank(s) built in {time.perf_counter() - start:.1f} s: "
+                    f"{config['architectures'][0]} in {dtype}, up to {kwargs['max_num_seqs']} sequences of "
+                    f"{length} tokens" + (f", KV cache {kwargs['kv_cache_memory_bytes'] / 2**20:.0f} MiB"
+                                          if "kv_cache_memory_bytes" in kwargs else ""))
         # the engine's TP groups' prompts gathered when it spans several (vtp a multiple of tp)
         self.group = dist.new_subgroups(self.vtp)[0] if self.vtp > self.tp else None
         self.version = None  # the policy's weights_version last loaded; None: dummy weights
