@@ -263,6 +263,8 @@ def test_the_sampler_stays_the_policy_while_it_trains(runs):
         syncs = [tags["online/weight_sync_GiB"][s] for s in range(1, STEPS + 1)]
         assert len(set(syncs)) == 1 and syncs[0] > 0, (name, syncs)  # a whole model before every batch
         assert tags["online/weight_sync_time(s)"][1] > 0
+        # a tool round's request is its whole row: the prefix cache holds its earlier full blocks
+        assert max(tags["online/vllm_prefix_cache_hit_rate"].values()) > 0, name
         assert f"eval/reward/even_ids_mean" in {k for k, v in tags.items() if STEPS in v}, name  # the same engine
     # the resumed run: its new engine's first batch is sampled from the weights of step 3, not the seed checkpoint's
     resumed = scalars_by_step(runs.dumps["FSDP=2"])

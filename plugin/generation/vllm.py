@@ -144,10 +144,13 @@ class VLLMEngine:
             enable_prefix_caching=True, generation_config="vllm", enable_sleep_mode=o.vllm_enable_sleep_mode)
         if cpu.is_active():
             # vLLM's CPU default (a share of RAM, checked against the free RAM) fails with several ranks on one
-            # machine: the cache for every sequence at full length, in 16-token blocks, with a block to spare
+            # machine: the cache for every sequence at full length, in whole blocks, with a block to spare. Blocks
+            # of 32 tokens (its kernel's smallest; CPU's default is 128), as the prefix cache shares whole blocks
+            # only: a group's prompt, a tool round's earlier turns
+            block = kwargs["block_size"] = 32
             per_token = 2 * config["num_hidden_layers"] * (config["num_key_value_heads"] // self.vtp) * \
                 config["head_dim"] * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
-            kwargs["kv_cache_memory_bytes"] = max(seqs, 1) * (math.ceil(length / 16) + 1) * 16 * per_token
+            kwargs["kv_cache_memory_bytes"] = max(seqs, 1) * (math.ceil(length / block) + 1) * block * per_token
             cpu.hide_unloadable()
         else:
             kwargs["gpu_memory_utilization"] = o.vllm_gpu_memory_utilization
@@ -228,6 +231,9 @@ class VLLMEngine:
                   for _, n, key in everyone]
         outs = self.llm.generate([self._prompt(prompt_token_ids=ids) for ids, _, _ in everyone], params,
                                  use_tqdm=False)
+        if self.stats is not None:  # the prefix cache's share of the prompt tokens (every request's: one engine's)
+            self.stats.record_prefix(sum(o.num_cached_tokens or 0 for o in outs),
+                                     sum(len(o.prompt_token_ids) for o in outs))
         results = []
         for out in outs[offset:offset + len(requests)]:
             c = out.outputs[0]

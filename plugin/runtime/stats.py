@@ -181,6 +181,7 @@ class OnlineStats:
         self.gen_peak = 0
         self.calls, self.failures, self.turns = 0, 0, 0
         self.syncs, self.sync_time, self.sync_bytes = 0, 0.0, 0
+        self.prompt_tokens, self.cached_tokens = 0, 0
         self.rewards: list[list[float]] = [[] for _ in self.reward_names]
 
     def record(self, gen_time: float, gen_peak: int, lengths: list[int], truncated: list[bool],
@@ -203,6 +204,10 @@ class OnlineStats:
     def record_sync(self, seconds: float, nbytes: int) -> None:
         """[online] use_vllm: one load of the policy's weights into this rank's engine (every rank loads the same)."""
         self.syncs, self.sync_time, self.sync_bytes = self.syncs + 1, self.sync_time + seconds, self.sync_bytes + nbytes
+
+    def record_prefix(self, cached: int, prompt: int) -> None:
+        """[online] use_vllm: one generate call's prompt tokens, and those its prefix cache held (this rank's engine)."""
+        self.cached_tokens, self.prompt_tokens = self.cached_tokens + cached, self.prompt_tokens + prompt
 
     def record_filter(self, groups_dropped: int, extra_rounds: int) -> None:
         """[online] filter_groups: one batch's equal-reward groups left out, and its rounds beyond the first."""
@@ -232,6 +237,8 @@ class OnlineStats:
             out["online/weight_sync_time(s)"] = self.sync_time / self.syncs
             out["online/weight_sync_GiB"] = self.sync_bytes / self.syncs / GIB
             out["online/weight_sync_share"] = self.sync_time / wall if wall > 0 else 0.0
+        if self.prompt_tokens:  # the engine's prompts (a tool round's rows included) its prefix cache held
+            out["online/vllm_prefix_cache_hit_rate"] = self.cached_tokens / self.prompt_tokens
         if self.filter_groups:  # per sampled batch
             out["online/groups_dropped"] = self.groups_dropped / self.batches
             out["online/extra_rounds"] = self.extra_rounds / self.batches
