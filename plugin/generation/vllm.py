@@ -49,6 +49,11 @@ def compute_dtype(job_config, parallel_dims) -> str:
     return "float32" if parallel_dims.tp_enabled else param
 
 
+def max_model_length(job_config) -> int:
+    """The longest sequence the engine holds: [online] vllm_max_model_length, else the longest trained on."""
+    return job_config.online.vllm_max_model_length or job_config.training.seq_len + 1
+
+
 def engine_config(job_config, dtype: str = "float32") -> dict:
     """The Hugging Face config.json vLLM builds the [model] flavor from; ValueError naming the key for a model
     vLLM cannot run here."""
@@ -56,9 +61,9 @@ def engine_config(job_config, dtype: str = "float32") -> dict:
     from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
     from torchtitan.protocols.train_spec import get_train_spec
 
-    m, o = job_config.model, job_config.online
+    m = job_config.model
     args = get_train_spec(m.name).model_args[m.flavor]
-    length = o.vllm_max_model_length or job_config.training.seq_len + 1
+    length = max_model_length(job_config)
     where = f"[online] use_vllm with [model] {m.name} flavor {m.flavor!r}"
     common = dict(hidden_act="silu", tie_word_embeddings=False, torch_dtype=dtype, attention_bias=False,
                   bos_token_id=None, eos_token_id=None)
@@ -131,7 +136,7 @@ class VLLMEngine:
 
         self.adapter = get_train_spec(job_config.model.name).state_dict_adapter(policy.model_args,
                                                                                  job_config.model.hf_assets_path)
-        length = o.vllm_max_model_length or t.seq_len + 1
+        length = max_model_length(job_config)
         # the most sequences one call holds: this rank's batch (or its evaluation's), times the TP groups it samples for
         v = job_config.validation
         seqs = max(t.local_batch_size, v.local_batch_size * o.num_generations_eval if v.enable else 0)
@@ -155,16 +160,15 @@ class VLLMEngine:
         else:
             kwargs["gpu_memory_utilization"] = o.vllm_gpu_memory_utilization
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
-        saved = {k: os.environ.get(k) for k in ("LOCAL_WORLD_SIZE",)}  # CPU vLLM sets it to its TP size
+        local_world_size = os.environ.get("LOCAL_WORLD_SIZE")  # CPU vLLM sets it to its TP size
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
         self._params, self._prompt = SamplingParams, TokensPrompt
         start = time.perf_counter()
         self.llm = LLM(**kwargs)
-        for k, value in saved.items():
-            if value is not None:
-                os.environ[k] = value
+        if local_world_size is not None:
+            os.environ["LOCAL_WORLD_SIZE"] = local_world_size
         logger.info(f"vLLM engine of {self.vtp} rank(s) built in {time.perf_counter() - start:.1f} s: "
                     f"{config['architectures'][0]} in {dtype}, up to {kwargs['max_num_seqs']} sequences of "
                     f"{length} tokens" + (f", KV cache {kwargs['kv_cache_memory_bytes'] / 2**20:.0f} MiB"
