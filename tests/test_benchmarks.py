@@ -80,6 +80,28 @@ def test_classify():
     assert classify(2, "")[0] == "error: exit 2"
 
 
+MEMCHECK_LOG = """==7== Invalid read of size 8
+==7==    at 0x4023C6C: strncmp (strcmp-sse2.S:160)
+==7==    by 0x4004BEE: is_dst (dl-load.c:216)
+==7==    by 0x40059BE: _dl_dst_count (dl-load.c:253)
+==7== 
+==7== Invalid write of size 2
+==7==    at 0x1A2B: gloo::transport::tcp::Pair::read() (pair.cc:612)
+==7==    by 0x1A3C: gloo::transport::tcp::Loop::run() (loop.cc:90)
+==7== 
+==7== Invalid free() / delete / delete[] / realloc()
+==7==    at 0x48: free (vg_replace_malloc.c:985)
+==7==    by 0x1B: c10::free_cpu(void*) (alloc_cpu.cpp:140)
+"""
+
+
+def test_memcheck_counts_errors_but_the_dynamic_loaders_false_positives():
+    from memcheck_sampler import errors_in
+
+    assert errors_in(MEMCHECK_LOG) == {"Invalid write": 1, "Invalid free() / delete / delete[] / realloc()": 1}
+    assert errors_in("==7== ERROR SUMMARY: 0 errors from 0 contexts\n") == {}
+
+
 def test_run_job_sees_a_sigkill_as_oom_and_kills_on_timeout():
     code = f"import os, signal; os.kill(os.getpid(), {int(signal.SIGKILL)})"
     returncode, _ = job_status.run_job([sys.executable, "-c", code])
