@@ -11,10 +11,10 @@ unaligned tcache chunk detected" while the decode step waited on a functional co
 
 memcheck runs each rank with `--undef-value-errors=no` (only invalid reads, writes and frees), a 400 MB quarantine
 of freed blocks (a late write into one is caught, not absorbed by a reuse) and `PYTHONMALLOC=malloc` (Python's own
-objects through malloc too); 80-90x slower than native (the cached workload: 407 s a rank against 5.2 s). Each rank's errors are counted by kind, without glibc's
-dynamic loader's reads past a string (frames in `dl-*.c`, a known false positive of memcheck), and appended to
-benchmarks/results/memcheck_sampler.csv with the table; the logs stay under `--out`. `--native` runs the same
-workload without valgrind (a check of the launcher).
+objects through malloc too); 80-90x slower than native (the cached workload: 407 s a rank against 5.2 s). Each
+rank's errors are counted by kind, without glibc's dynamic loader's reads past a string (frames in `dl-*.c`, a
+known false positive of memcheck), and appended to benchmarks/results/memcheck_sampler.csv with the table; the logs
+stay under `--out`. `--native` runs the same workload without valgrind (a check of the launcher).
 """
 
 import argparse
