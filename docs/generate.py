@@ -33,7 +33,8 @@ RESULTS = REPO / "benchmarks" / "results"
 OWNERS = {
     "fused_precision": "fused_precision", "generation_profile": "generation_vs_transformers",
     "generation_speed": "generation_speed", "generation_vs_transformers": "generation_vs_transformers",
-    "learning_signal": "learning_signal", "logprob_memory": "logprob_memory", "memory_soak": "memory_soak", "memcheck_sampler": "memcheck_sampler",
+    "learning_signal": "learning_signal", "logprob_memory": "logprob_memory", "memory_soak": "memory_soak",
+    "memcheck_sampler": "memcheck_sampler",
     "online_learning": "learning_signal", "padding_free": "padding_free", "reference_offload": "reference_offload", "repeat_test": "repeat_test",
     "rollout_scale": "rollout_scale", "smollm2_learning": "smollm2_learning", "step_time": "step_time",
     "tool_learning": "tool_learning", "trl_parity": "trl_parity", "moe": "moe",
