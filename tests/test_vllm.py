@@ -6,9 +6,10 @@ mixture-of-experts twin debugmodel_moe_small:
 - in a spawned rank for each, the proof that the engine is the policy: log-probs of fixed sequences equal the
   trainer's after a sync, move with it after an optimizer step, and a sync left out shows;
 - in one torchrun launch, five 3-step online runs with tools and an evaluation, on FSDP=2, TP=2 (the engines are
-  the TP groups), FSDP=2 under one engine of 2 ranks and the MoE flavor on FSDP=2 x EP=2 and on TP=2, and the first
-  resumed for a fourth step; each step's sampler/trainer log-prob mismatch stays at fp32's level (the MoE trainer's: its bf16
-  experts') while the weights move, the resumed one too.
+  the TP groups), FSDP=2 under one engine of 2 ranks and the MoE flavor on FSDP=2 x EP=2 and on TP=2, the first
+  resumed for a fourth step and run for four uninterrupted; each step's sampler/trainer log-prob mismatch stays at
+  fp32's level (the MoE trainer's: its bf16 experts') while the weights move, the resumed one too, and the resumed
+  step is the uninterrupted one bit for bit.
 The quick ones check the keys' errors and the sampler's turns over a stand-in engine.
 """
 
@@ -218,9 +219,19 @@ def _proof(rank, world_size, out, flavor="debugmodel_small"):
     model.weights_version += 1  # what the optimizer container does at an applied step
     engine.sync()
     moved = (engine_logprobs() - trainer_logprobs()).abs().max().item()
+    # draws: a function of the call's requests (keys, lengths, budgets) and the engine's seed, not of the process's
+    # generator, which they leave as it was
+    requests = [(seqs[0].tolist(), 8, 11), (seqs[1].tolist(), 8, 12)]
+    before = torch.get_rng_state()
+    drawn = engine.generate(requests, 1.0, [])
+    kept = torch.equal(before, torch.get_rng_state())
+    torch.manual_seed(1234)
+    again = engine.generate(requests, 1.0, [])
+    other = engine.generate([(ids, n, key + 2) for ids, n, key in requests], 1.0, [])
     # no engine.close(): its teardown destroys the process group, which the rank's runner still uses (the runs below
     # close theirs); the runner's os._exit skips vLLM's own finalizer
-    torch.save(dict(synced=synced, stale=stale, moved=moved, syncs=stats.syncs, bytes=stats.sync_bytes,
+    torch.save(dict(synced=synced, stale=stale, moved=moved, syncs=stats.syncs, bytes=stats.sync_bytes, kept=kept,
+                    same=drawn == again, differ=[i for i, _ in drawn] != [i for i, _ in other],
                     params=sum(p.numel() * p.element_size() for p in model.parameters())), out)
 
 
@@ -238,6 +249,7 @@ def test_after_each_sync_the_engines_logprobs_are_the_policys(tmp_path, flavor):
     # two loads (the first, the one after the step); a tied embedding goes twice (embedding and lm_head)
     tied = 2048 * 128 * 4 if flavor == "debugmodel_small" else 0
     assert r["syncs"] == 2 and r["bytes"] == 2 * (r["params"] + tied), r
+    assert r["kept"] and r["same"] and r["differ"], r  # the draws are the keys', the process's generator untouched
 
 
 # ---- online runs under torchrun
@@ -251,7 +263,9 @@ TOOLS = ("--experimental.custom_import", "toy_tools", "--online.tools", "toy_too
          "--online.stop_token_ids", *map(str, STOPS), "--training.local_batch_size", "8",
          "--training.global_batch_size", "16")
 LAYOUTS = {
-    "FSDP=2": ("--parallelism.tensor_parallel_degree", "1", "--checkpoint.no-last-save-model-only"),
+    # a constant learning rate: the schedule's length is not what resuming changes
+    "FSDP=2": ("--parallelism.tensor_parallel_degree", "1", "--checkpoint.no-last-save-model-only",
+               "--lr_scheduler.decay_ratio", "0"),
     "TP=2": ("--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "16"),
     "FSDP=2, one engine": ("--parallelism.tensor_parallel_degree", "1", "--online.vllm_tensor_parallel_size", "2"),
     # each rank's engine holds every expert: the sync gathers the EP shards
@@ -262,6 +276,7 @@ LAYOUTS = {
                   "--training.local_batch_size", "16"),
 }
 STEPS = 3
+UNINTERRUPTED = "FSDP=2, 4 steps uninterrupted"
 
 
 @pytest.fixture(scope="module")
@@ -280,8 +295,11 @@ def runs(tmp_path_factory, seed_checkpoints) -> dict[str, Path]:
              "--validation.enable", "--validation.dataset_path", str(prompts), "--validation.freq", str(STEPS),
              "--validation.local_batch_size", "2", "--online.eval_log_completions"]
             for name, flags in LAYOUTS.items()]
-    # FSDP=2 resumed from its last step for one more: the engine is built from scratch and must load the resumed weights
+    # FSDP=2 resumed from its last step for one more: the engine is built from scratch and must load the resumed
+    # weights, and draw what the same run does uninterrupted
     jobs.append([*jobs[0], "--training.steps", str(STEPS + 1)])
+    dumps[UNINTERRUPTED] = tmp_path_factory.mktemp("FSDP2_uninterrupted")
+    jobs.append([*jobs[0], "--job.dump_folder", str(dumps[UNINTERRUPTED]), "--training.steps", str(STEPS + 1)])
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")])),
            "TOY_TOOL_LOG": str(calls)}
     check(torchrun_jobs(2, jobs, env=env))
@@ -305,9 +323,13 @@ def test_the_sampler_stays_the_policy_while_it_trains(runs):
         # a tool round's request is its whole row: the prefix cache holds its earlier full blocks
         assert max(tags["online/vllm_prefix_cache_hit_rate"].values()) > 0, name
         assert f"eval/reward/even_ids_mean" in {k for k, v in tags.items() if STEPS in v}, name  # the same engine
-    # the resumed run: its new engine's first batch is sampled from the weights of step 3, not the seed checkpoint's
-    resumed = scalars_by_step(runs.dumps["FSDP=2"])
+    # the resumed run: its new engine's first batch is sampled from the weights of step 3, not the seed checkpoint's,
+    # and is the uninterrupted run's bit for bit (vLLM's draws come from the call's keys, not the engine's history)
+    resumed, whole = scalars_by_step(runs.dumps["FSDP=2"]), scalars_by_step(runs.dumps[UNINTERRUPTED])
     assert resumed["online/logprob_mismatch"][STEPS + 1] < 2e-5, resumed["online/logprob_mismatch"]
+    for tag in ("loss_metrics/global_avg_loss", "grad_norm", "grpo/kl", "grpo/reward_mean", "online/logprob_mismatch"):
+        assert resumed[tag] == whole[tag], tag
+    assert _trajectories(runs.dumps["FSDP=2"]) == _trajectories(runs.dumps[UNINTERRUPTED])
 
 
 def _trajectories(dump: Path) -> list[dict]:
@@ -320,7 +342,7 @@ def test_tool_turns_are_ids_masked_and_each_call_runs_once(runs):
     made = 0
     for name, dump in runs.dumps.items():
         rows = _trajectories(dump)
-        steps = STEPS + (name == "FSDP=2")  # and its resumed step
+        steps = STEPS + (name in ("FSDP=2", UNINTERRUPTED))  # and the resumed step
         assert len(rows) == 16 * steps, name  # every completion of every batch, logged once (TP peers agree)
         called = [r for r in rows if any(m["role"] == "tool" for m in r["completion"])]
         assert called and len(called) < len(rows), name  # some rows called, some never

@@ -14,12 +14,15 @@ to the row (never re-tokenized). Everything after the samples is unchanged.
    starts with dummy weights: the first sync loads the policy's (a resumed run's: the resumed ones).
 3. Sync, before a generation when the optimizer stepped since the last (`Policy.weights_version`): each
    parameter in turn is gathered (`full_tensor`), renamed by the TrainSpec's state-dict adapter (to_hf) and
-   streamed into vLLM's `reload_weights`, so one parameter is whole at a time; then the prefix cache is reset.
+   streamed into vLLM's `reload_weights`, so one parameter is whole at a time.
    vLLM's weight loaders take whole checkpoint tensors and cut their own TP shard, and its CPU backend repacks
    linear weights after loading, so a rank's local shard cannot be copied in place here (docs/vllm.md).
    Tied embeddings: the engine's config unties them and the embedding is sent as `lm_head.weight` too.
+4. Draws: each sampler call starts from an empty prefix cache and each generate call from a default generator
+   seeded by its requests' keys (`_seeded`), so a resumed run draws what the uninterrupted one did.
 """
 
+import hashlib
 import json
 import math
 import os
@@ -151,6 +154,7 @@ class VLLMEngine:
         self.tp = parallel_dims.tp if parallel_dims.tp_enabled else 1
         self.vtp = o.vllm_tensor_parallel_size or self.tp
         self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.seed = (job_config.debug.seed or 0) + self.rank // self.vtp  # an engine's ranks draw alike
         dtype = compute_dtype(job_config, parallel_dims)
         config = engine_config(job_config, dtype)
         self.moe = "num_experts" in config
@@ -168,7 +172,7 @@ class VLLMEngine:
         kwargs = dict(
             model=self.folder.name, skip_tokenizer_init=True, load_format="dummy", dtype=dtype,
             enforce_eager=not o.compile_decode, distributed_executor_backend="external_launcher",
-            tensor_parallel_size=self.vtp, seed=(job_config.debug.seed or 0) + self.rank // self.vtp,
+            tensor_parallel_size=self.vtp, seed=self.seed,
             max_model_len=length, max_num_seqs=max(seqs, 1), logprobs_mode="processed_logprobs",
             enable_prefix_caching=True, generation_config="vllm", enable_sleep_mode=o.vllm_enable_sleep_mode)
         if cpu.is_active():
@@ -203,17 +207,22 @@ class VLLMEngine:
 
     @contextmanager
     def awake(self):
-        """The engine ready to generate, its weights the policy's. With vllm_enable_sleep_mode (GPU), it sleeps at
-        level 2 between generations (weights and KV cache released) and wakes in two stages, the weights then
-        loaded, then the cache: old weights, new weights and the cache never hold memory at once (vllm#15254)."""
+        """The engine ready to generate, its weights the policy's, its prefix cache empty: a sampler's call then
+        draws and scores from the weights, its prompts and its keys alone, not from what the engine ran before (a
+        resumed run samples what the uninterrupted one did); its tool rounds share the cache. With
+        vllm_enable_sleep_mode (GPU), it sleeps at level 2 between generations (weights and KV cache released) and
+        wakes in two stages, the weights then loaded, then the cache: old weights, new weights and the cache never
+        hold memory at once (vllm#15254)."""
         if not self.cfg.vllm_enable_sleep_mode:
             self.sync()
+            self.llm.reset_prefix_cache()
             yield
             return
         self.llm.wake_up(tags=["weights"])
         self.version = None  # a level-2 sleep dropped them: load whatever the version
         self.sync()
         self.llm.wake_up(tags=["kv_cache"])
+        self.llm.reset_prefix_cache()
         try:
             yield
         finally:
@@ -230,8 +239,7 @@ class VLLMEngine:
                 weights_iterator=_hf_weights(self.policy, self.adapter, counter), is_checkpoint_format=True))
             if self.moe and cpu.is_active():  # CPU vLLM leaves reloaded experts unpacked (internals entry 8)
                 self.llm.collective_rpc(internals.vllm_repack_moe)
-        self.llm.reset_prefix_cache()  # cached blocks hold the old weights' keys and values
-        self.version = version
+        self.version = version  # awake() resets the prefix cache, whose blocks hold the old weights' keys and values
         if self.stats is not None:
             self.stats.record_sync(time.perf_counter() - start, counter[0])
 
@@ -259,8 +267,9 @@ class VLLMEngine:
         params = [self._params(n=1, temperature=temperature, max_tokens=n, stop_token_ids=stop_ids, ignore_eos=True,
                                logprobs=0, detokenize=False, seed=key if seeded else None)
                   for _, n, key in everyone]
-        outs = self.llm.generate([self._prompt(prompt_token_ids=ids) for ids, _, _ in everyone], params,
-                                 use_tqdm=False)
+        with _seeded(self.seed, everyone):
+            outs = self.llm.generate([self._prompt(prompt_token_ids=ids) for ids, _, _ in everyone], params,
+                                     use_tqdm=False)
         if self.stats is not None:  # the prefix cache's share of the prompt tokens (every request's: one engine's)
             self.stats.record_prefix(sum(o.num_cached_tokens or 0 for o in outs),
                                      sum(len(o.prompt_token_ids) for o in outs))
@@ -270,6 +279,24 @@ class VLLMEngine:
             ids = list(c.token_ids)
             results.append((ids, [lp[t].logprob for lp, t in zip(c.logprobs, ids)]))
         return results
+
+
+@contextmanager
+def _seeded(seed: int, requests: list[tuple[list[int], int, int]]):
+    """vLLM's draws for one generate call from the engine's seed and the call's requests (their keys, lengths and
+    budgets), on a forked default generator: without per-request seeds vLLM draws from the device's default
+    generator, whose state no checkpoint holds, so a resumed run drew other tokens than the uninterrupted one, and
+    the engine's draws moved the training process's own generator. The engine's ranks hold the same requests."""
+    h = hashlib.blake2b(digest_size=8)
+    for ids, budget, key in requests:
+        h.update(f"{key},{len(ids)},{budget};".encode())
+    call = (int.from_bytes(h.digest(), "little") ^ seed) & ((1 << 63) - 1)
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.default_generator.manual_seed(call)
+        if devices:
+            torch.cuda.manual_seed(call)
+        yield
 
 
 class VLLMSampler:
