@@ -319,6 +319,9 @@ def test_the_sampler_stays_the_policy_while_it_trains(runs):
         assert all(tags["grad_norm"][s] > 0 for s in range(2, STEPS + 1)), name
         syncs = [tags["online/weight_sync_GiB"][s] for s in range(1, STEPS + 1)]
         assert len(set(syncs)) == 1 and syncs[0] > 0, (name, syncs)  # a whole model before every batch
+        # on TP=2 every rank hands vLLM its own TP shards (nothing else is sharded): no gather; else every tensor whole
+        gathered = tags["online/weight_sync_gathered_GiB"][1]
+        assert gathered == 0 if name.startswith("TP=2") else 0 < gathered <= syncs[0], (name, gathered, syncs[0])
         assert tags["online/weight_sync_time(s)"][1] > 0
         # a tool round's request is its whole row: the prefix cache holds its earlier full blocks
         assert max(tags["online/vllm_prefix_cache_hit_rate"].values()) > 0, name

@@ -14,10 +14,11 @@ to the row (never re-tokenized). Everything after the samples is unchanged.
    starts with dummy weights: the first sync loads the policy's (a resumed run's: the resumed ones).
 3. Sync, before a generation when the optimizer stepped since the last (`Policy.weights_version`): each
    parameter in turn is gathered (`full_tensor`), renamed by the TrainSpec's state-dict adapter (to_hf) and
-   streamed into vLLM's `reload_weights`, so one parameter is whole at a time.
-   vLLM's weight loaders take whole checkpoint tensors and cut their own TP shard, and its CPU backend repacks
-   linear weights after loading, so a rank's local shard cannot be copied in place here (docs/vllm.md).
-   Tied embeddings: the engine's config unties them and the embedding is sent as `lm_head.weight` too.
+   streamed into vLLM's `reload_weights`, so one parameter is whole at a time. vLLM's weight loaders take whole
+   checkpoint tensors and cut their TP shard themselves: where the engine is the TP group, a TP-sharded parameter
+   goes as a whole-shaped buffer holding only the rank's own shard, which is what the loader cuts (no gather over
+   TP; `_whole_shaped`). Tied embeddings: the engine's config unties them and the embedding goes as
+   `lm_head.weight` too.
 4. Draws: each sampler call starts from an empty prefix cache and each generate call from a default generator
    seeded by its requests' keys (`_seeded`), so a resumed run draws what the uninterrupted one did.
 """
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torchtitan.tools.logging import logger
 
 from plugin import cpu
@@ -128,20 +129,51 @@ def _qwen3_moe(args, job_config, where: str) -> dict:
                 norm_topk_prob=moe.route_norm, decoder_sparse_step=1, mlp_only_layers=[])
 
 
-def _hf_weights(policy, adapter, counter: list):
-    """(HF name, whole tensor) of each policy parameter in turn, as the adapter names them; the embedding once more
-    as `lm_head.weight` when the policy ties it (the engine's config unties). Adds the bytes to counter[0]."""
+def _hf_weights(policy, adapter, counter: list, tp_local: bool = False):
+    """(HF name, whole-shaped tensor) of each policy parameter in turn, as the adapter names them; the embedding once
+    more as `lm_head.weight` when the policy ties it (the engine's config unties). Adds the bytes handed over to
+    counter[0] and the bytes gathered by collectives to counter[1].
+
+    tp_local (the engine's ranks are the TP group, rank for rank): a TP-sharded parameter is not gathered over TP.
+    vLLM's weight loaders take the whole tensor and copy out the rows (or columns) of their TP rank, the same ones
+    the trainer's rank holds (both split a layer Megatron's way, evenly), so the parameter goes as a whole-shaped
+    buffer holding only this rank's shard, the rest never read. A vocabulary vLLM pads to a multiple of 64 is cut
+    elsewhere unless it is one: it is gathered."""
     named = list(policy.named_parameters())
     tied = not any(n.endswith("output.weight") for n, _ in named)
     for name, p in named:
         name = name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")  # compile / AC wrappers
-        whole = (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+        whole = _whole_shaped(p, tp_local and not (name.endswith(_VOCAB) and p.shape[0] % 64), counter).detach()
         for hf_name, t in adapter.to_hf({name: whole}).items():
             counter[0] += t.numel() * t.element_size()
             yield hf_name, t
             if tied and hf_name == "model.embed_tokens.weight":
                 counter[0] += t.numel() * t.element_size()
                 yield "lm_head.weight", t
+
+
+_VOCAB = ("tok_embeddings.weight", "output.weight")
+
+
+def _whole_shaped(p: torch.Tensor, tp_local: bool, counter: list) -> torch.Tensor:
+    """A parameter as one tensor of its global shape: gathered whole, or with tp_local and a TP shard on one dim,
+    gathered over the other mesh dims only (FSDP's) and placed at this rank's rows, the rest left empty."""
+    if not isinstance(p, DTensor):
+        return p
+    mesh, placements = p.device_mesh, p.placements
+    i = mesh.mesh_dim_names.index("tp") if tp_local and "tp" in (mesh.mesh_dim_names or ()) else None
+    if i is None or not placements[i].is_shard() or p.shape[placements[i].dim] % mesh.size(i):
+        if any(not q.is_replicate() for q in placements):
+            counter[1] += p.numel() * p.element_size()
+        return p.full_tensor()
+    keep = [q if j == i else Replicate() for j, q in enumerate(placements)]
+    if keep != list(placements):  # the other dims' shards (FSDP's) gathered
+        p = p.redistribute(mesh, keep)
+        counter[1] += p.to_local().numel() * p.element_size()
+    local, dim = p.to_local(), placements[i].dim
+    whole = local.new_empty(p.shape)
+    whole.narrow(dim, mesh.get_local_rank(i) * local.shape[dim], local.shape[dim]).copy_(local)
+    return whole
 
 
 class VLLMEngine:
@@ -155,6 +187,8 @@ class VLLMEngine:
         self.vtp = o.vllm_tensor_parallel_size or self.tp
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.seed = (job_config.debug.seed or 0) + self.rank // self.vtp  # an engine's ranks draw alike
+        # the engine's ranks are the TP group, rank for rank: a TP-sharded parameter goes without a gather over TP
+        self.tp_local = self.vtp == self.tp > 1
         dtype = compute_dtype(job_config, parallel_dims)
         config = engine_config(job_config, dtype)
         self.moe = "num_experts" in config
@@ -233,15 +267,15 @@ class VLLMEngine:
         version = self.policy.weights_version
         if version == self.version:
             return
-        start, counter = time.perf_counter(), [0]
+        start, counter = time.perf_counter(), [0, 0]
         with torch.no_grad():
-            self.llm.collective_rpc("reload_weights", kwargs=dict(
-                weights_iterator=_hf_weights(self.policy, self.adapter, counter), is_checkpoint_format=True))
+            weights = _hf_weights(self.policy, self.adapter, counter, tp_local=self.tp_local)
+            self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
             if self.moe and cpu.is_active():  # CPU vLLM leaves reloaded experts unpacked (internals entry 8)
                 self.llm.collective_rpc(internals.vllm_repack_moe)
         self.version = version  # awake() resets the prefix cache, whose blocks hold the old weights' keys and values
         if self.stats is not None:
-            self.stats.record_sync(time.perf_counter() - start, counter[0])
+            self.stats.record_sync(time.perf_counter() - start, *counter)
 
     def close(self) -> None:
         """Shut the engine down while the process groups are up (its teardown destroys vLLM's groups, and the default

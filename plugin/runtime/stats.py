@@ -180,7 +180,7 @@ class OnlineStats:
         self.groups_dropped, self.extra_rounds = 0, 0
         self.gen_peak = 0
         self.calls, self.failures, self.turns = 0, 0, 0
-        self.syncs, self.sync_time, self.sync_bytes = 0, 0.0, 0
+        self.syncs, self.sync_time, self.sync_bytes, self.sync_gathered = 0, 0.0, 0, 0
         self.prompt_tokens, self.cached_tokens = 0, 0
         self.rewards: list[list[float]] = [[] for _ in self.reward_names]
 
@@ -201,9 +201,11 @@ class OnlineStats:
         for acc, values in zip(self.rewards, rewards):
             acc.extend(v for v in values if v == v)  # a function's None (NaN) rewards do not apply
 
-    def record_sync(self, seconds: float, nbytes: int) -> None:
-        """[online] use_vllm: one load of the policy's weights into this rank's engine (every rank loads the same)."""
-        self.syncs, self.sync_time, self.sync_bytes = self.syncs + 1, self.sync_time + seconds, self.sync_bytes + nbytes
+    def record_sync(self, seconds: float, nbytes: int, gathered: int = 0) -> None:
+        """[online] use_vllm: one load of the policy's weights into this rank's engine (every rank loads the same):
+        its seconds, the bytes handed to the engine, and the bytes of them collectives gathered."""
+        self.syncs, self.sync_time = self.syncs + 1, self.sync_time + seconds
+        self.sync_bytes, self.sync_gathered = self.sync_bytes + nbytes, self.sync_gathered + gathered
 
     def record_prefix(self, cached: int, prompt: int) -> None:
         """[online] use_vllm: one generate call's prompt tokens, and those its prefix cache held (this rank's engine)."""
@@ -236,6 +238,7 @@ class OnlineStats:
         if self.syncs:  # per sync; generation_time includes them
             out["online/weight_sync_time(s)"] = self.sync_time / self.syncs
             out["online/weight_sync_GiB"] = self.sync_bytes / self.syncs / GIB
+            out["online/weight_sync_gathered_GiB"] = self.sync_gathered / self.syncs / GIB
             out["online/weight_sync_share"] = self.sync_time / wall if wall > 0 else 0.0
         if self.prompt_tokens:  # the engine's prompts (a tool round's rows included) its prefix cache held
             out["online/vllm_prefix_cache_hit_rate"] = self.cached_tokens / self.prompt_tokens
