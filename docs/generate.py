@@ -38,7 +38,7 @@ OWNERS = {
     "online_learning": "learning_signal", "padding_free": "padding_free", "reference_offload": "reference_offload", "repeat_test": "repeat_test",
     "rollout_scale": "rollout_scale", "smollm2_learning": "smollm2_learning", "step_time": "step_time",
     "tool_learning": "tool_learning", "trl_parity": "trl_parity", "moe": "moe",
-    "vllm_learning": "trl_parity", "vllm_rollouts": "vllm_rollouts",
+    "vllm_learning": "trl_parity", "vllm_rollouts": "vllm_rollouts", "vllm_sync": "vllm_sync",
 }
 REFERENCE = REPO / "docs" / "reference.md"
 CONFIG_SOURCE = REPO / "plugin" / "config.py"
