@@ -121,13 +121,18 @@ class Reference:
 
     @torch.no_grad()
     def sync(self, policy: nn.Module, alpha: float = 1.0) -> None:
-        """reference <- alpha * policy + (1 - alpha) * reference; same parallelization, so every update is local."""
-        ref_params = dict(self.module.named_parameters())
-        for name, p in policy.named_parameters():
+        """reference <- alpha * policy + (1 - alpha) * reference, for the parameters and the floating-point buffers
+        the state dict holds: an MoE router's load-balancing expert_bias picks the experts, so a reference without
+        the policy's would route otherwise (a policy loaded from a torchtitan checkpoint trained with balancing has
+        one; on debugmodel_moe_small a random bias put the reference up to 6.2e-3 nats off the policy at the first
+        forward, 1e-6 with it). Counters (tokens_per_expert) and constants (RoPE) stay the reference's. Same
+        parallelization, so every update is local."""
+        ref = {**dict(self.module.named_parameters()), **_state_buffers(self.module)}
+        for name, p in [*policy.named_parameters(), *_state_buffers(policy).items()]:
             if alpha == 1:
-                ref_params[name].copy_(p)
+                ref[name].copy_(p)
             else:
-                ref_params[name].mul_(1 - alpha).add_(p, alpha=alpha)
+                ref[name].mul_(1 - alpha).add_(p, alpha=alpha)
 
     def state_dict(self) -> dict:
         """Its weights under REFERENCE_PREFIX (with offload, the CPU copies)."""
@@ -137,6 +142,14 @@ class Reference:
         set_model_state_dict(self.module, reference_entries(state_dict))
         self.loaded = True
         logger.info("Reference model restored from the checkpoint")
+
+
+def _state_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's floating-point buffers that its state dict holds (persistent ones), by their named_buffers
+    names; the state dict leaves out activation checkpointing's wrapper from its keys."""
+    wrapper = "_checkpoint_wrapped_module."
+    held = {k.replace(wrapper, "") for k in module.state_dict()}
+    return {n: b for n, b in module.named_buffers() if b.is_floating_point() and n.replace(wrapper, "") in held}
 
 
 def load_reference_checkpoint(reference: nn.Module, path: str, fmt: str, sd_adapter=None) -> None:
