@@ -121,10 +121,38 @@ def _layout_worker(rank, world_size, layout, names, stops, out):
     if layout == (1, 2):
         _train_after_generation(rank)
         extra["train_after_generation"] = "passed"
+    if tp > 1:  # the vLLM sync's tensors on this layout, asserted on every rank (no vLLM needed)
+        extra["vllm_shards"] = _vllm_shards(models["grpo_llama3"])
     gathered = [None] * world_size
     dist.all_gather_object(gathered, results)
     if rank == 0:
         torch.save({"per_rank": gathered, **extra}, out)
+
+
+def _vllm_shards(model) -> dict:
+    """[online] use_vllm's sync with the engine as the TP group (plugin.generation.vllm's `_whole_shaped`): each
+    parameter whole-shaped, holding this rank's own TP shard where vLLM's loader of TP rank `rank % tp` cuts it,
+    and gathered over FSDP only; a parameter TP does not shard, whole. Returns the bytes gathered and in all."""
+    from plugin.generation.vllm import _whole_shaped
+
+    counter, expected, total = [0, 0], 0, 0
+    for name, p in model.named_parameters():
+        full, mesh = p.full_tensor(), p.device_mesh
+        i = mesh.mesh_dim_names.index("tp")
+        place, size = p.placements[i], full.numel() * full.element_size()
+        whole = _whole_shaped(p, True, counter)
+        assert whole.shape == full.shape, name
+        if place.is_shard():
+            d, k, r = place.dim, full.shape[place.dim] // mesh.size(i), mesh.get_local_rank(i)
+            assert r == dist.get_rank() % mesh.size(i), "vLLM's TP rank is the global rank modulo its TP size"
+            assert torch.equal(whole.narrow(d, r * k, k), full.narrow(d, r * k, k)), name
+            expected += size // mesh.size(i) if mesh.ndim > 1 else 0  # FSDP's shards of this rank's TP shard
+        else:
+            assert torch.equal(whole, full), name
+            expected += size if any(not q.is_replicate() for q in p.placements) else 0
+        total += size
+    assert counter[1] == expected, (counter[1], expected)
+    return dict(gathered=counter[1], total=total)
 
 
 def run_layout(tmp_path_factory, tp, dp, names, stops):
@@ -313,6 +341,17 @@ def test_tp2_fsdp2(tp2_fsdp2, one_rank):
     assert mismatch_fraction(one_rank["grpo_llama3"]["turns_cached"], results["turns_cached"]) <= 1 / len(PROMPT_LENS)
     assert results["tp_peers_agree"] and results["swapped"] == 0
     assert mismatch_fraction(one_rank["grpo_llama3"]["cached"], results["cached"]) <= 1 / len(PROMPT_LENS)
+    # the vLLM sync gathers FSDP's shards of each rank's own TP shards only: half the TP-sharded weights and the
+    # norms (TP leaves them whole), not the model
+    shards = tp2_fsdp2["vllm_shards"]
+    assert 0 < shards["gathered"] < shards["total"] / 2 + 1e5, shards
+
+
+@pytest.mark.slow
+def test_the_vllm_sync_on_tp2_hands_over_each_ranks_own_shards_ungathered(tp2):
+    """(plugin.generation.vllm, checked in this layout's spawn): every rank asserted its tensors hold its own TP
+    shard where vLLM cuts it; with TP alone nothing is gathered."""
+    assert tp2["vllm_shards"]["gathered"] == 0 and tp2["vllm_shards"]["total"] > 0
 
 
 # --- the noise --------------------------------------------------------------------------------------
