@@ -5,9 +5,9 @@ qwen3's debugmodel_small (head size 32: CPU vLLM's attention has no kernel for t
 mixture-of-experts twin debugmodel_moe_small:
 - in a spawned rank for each, the proof that the engine is the policy: log-probs of fixed sequences equal the
   trainer's after a sync, move with it after an optimizer step, and a sync left out shows;
-- in one torchrun launch, five 3-step online runs with tools and an evaluation, on FSDP=2, TP=2 (the engines are
-  the TP groups), FSDP=2 under one engine of 2 ranks and the MoE flavor on FSDP=2 x EP=2 and on TP=2, the first
-  resumed for a fourth step and run for four uninterrupted; each step's sampler/trainer log-prob mismatch stays at
+- in one torchrun launch, 3-step online runs with tools and an evaluation on five layouts, FSDP=2, TP=2 (the
+  engines are the TP groups), FSDP=2 under one engine of 2 ranks and the MoE flavor on FSDP=2 x EP=2 and on TP=2,
+  the first resumed for a fourth step and run for four uninterrupted; each step's sampler/trainer log-prob mismatch stays at
   fp32's level (the MoE trainer's: its bf16 experts') while the weights move, the resumed one too, and the resumed
   step is the uninterrupted one bit for bit.
 The quick ones check the keys' errors and the sampler's turns over a stand-in engine.
