@@ -9,9 +9,9 @@ engine, in the same process, alternating, on qwen3's 0.6B flavor (random init, f
     tp2 gathered   TP=2, every parameter gathered whole first (engine.tp_local = False)
     fsdp2          FSDP=2 (no TP): every parameter gathered whole, the reference for a data-parallel layout
 Per sync: seconds (rank 0's; every rank waits on the others), GiB handed to vLLM and GiB gathered by collectives
-(online/weight_sync_GiB, online/weight_sync_gathered_GiB), and rank 0's peak RSS growth over the sync. After
-the first sync of each mode, the engine's log-probs of fixed sequences are compared across the two TP modes (the
-largest difference, in the table).
+(online/weight_sync_GiB, online/weight_sync_gathered_GiB), and rank 0's peak RSS during the sync above its RSS
+before it. After the first sync of each mode, the engine's log-probs of fixed sequences are compared across the two
+TP modes (the largest difference, in the table).
 Simplifications:
 1. A shared CPU is noisy: the modes alternate, --reps times, rotated; the table gives medians and the ratio of
    local to gathered within each rep, medianed.
@@ -79,7 +79,7 @@ def worker(args) -> None:
             model.weights_version += 1
             before = (stats.sync_bytes, stats.sync_gathered)
             dist.barrier()
-            mem.reset()
+            base = mem.reset()
             start = time.perf_counter()
             engine.sync()
             dist.barrier()
@@ -87,7 +87,7 @@ def worker(args) -> None:
             rows.append(dict(layout=args.worker_layout, mode=mode, rep=rep, seconds=seconds,
                              handed_gib=(stats.sync_bytes - before[0]) / GIB,
                              gathered_gib=(stats.sync_gathered - before[1]) / GIB,
-                             peak_growth_gib=max(0, mem.peak() - mem.reset()) / GIB))
+                             peak_growth_gib=max(0, mem.peak() - base) / GIB))
             if mode not in first:
                 first[mode] = engine_logprobs()
     diff = (first["local"] - first["gathered"]).abs().max().item() if len(first) == 2 else None
