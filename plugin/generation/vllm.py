@@ -129,6 +129,19 @@ def _qwen3_moe(args, job_config, where: str) -> dict:
                 norm_topk_prob=moe.route_norm, decoder_sparse_step=1, mlp_only_layers=[])
 
 
+def check_router_bias(policy) -> None:
+    """ValueError if the policy's MoE routers hold a load-balancing bias: vLLM's Qwen3-MoE routes without one, so it
+    would draw with other experts than the trainer routes to. `[moe] router_bias_update_rate > 0` is refused at
+    start-up; this catches a bias that came with the weights (a torchtitan checkpoint trained with balancing)."""
+    biased = [n for n, b in policy.named_buffers() if n.endswith("expert_bias") and bool(b.ne(0).any())]
+    if biased:
+        named = ", ".join(biased[:2]) + (f" and {len(biased) - 2} more" if len(biased) > 2 else "")
+        raise ValueError(f"[online] use_vllm: the policy's MoE routers hold a load-balancing bias ({named}), loaded "
+                         "with its weights; vLLM's Qwen3-MoE routes without one and would pick other experts than "
+                         "the trainer. Sample with the built-in sampler (use_vllm = false), which routes with the "
+                         "bias, or start from weights without it")
+
+
 def _hf_weights(policy, adapter, counter: list, tp_local: bool = False):
     """(HF name, whole-shaped tensor) of each policy parameter in turn, as the adapter names them; the embedding once
     more as `lm_head.weight` when the policy ties it (the engine's config unties). Adds the bytes handed over to
@@ -267,6 +280,8 @@ class VLLMEngine:
         version = self.policy.weights_version
         if version == self.version:
             return
+        if self.moe and self.version is None:  # the first load: what the checkpoint brought
+            check_router_bias(self.policy)
         start, counter = time.perf_counter(), [0, 0]
         with torch.no_grad():
             weights = _hf_weights(self.policy, self.adapter, counter, tp_local=self.tp_local)
