@@ -145,11 +145,10 @@ class Reference:
 
 
 def _state_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The module's floating-point buffers that its state dict holds (persistent ones), by their named_buffers
-    names; the state dict leaves out activation checkpointing's wrapper from its keys."""
-    wrapper = "_checkpoint_wrapped_module."
-    held = {k.replace(wrapper, "") for k in module.state_dict()}
-    return {n: b for n, b in module.named_buffers() if b.is_floating_point() and n.replace(wrapper, "") in held}
+    """The module's floating-point buffers that its state dict holds (persistent ones), by their named_buffers names:
+    told by the tensors themselves, as the state dict's keys drop wrappers' prefixes (activation checkpointing's)."""
+    held = {id(t) for t in module.state_dict(keep_vars=True).values()}
+    return {n: b for n, b in module.named_buffers() if b.is_floating_point() and id(b) in held}
 
 
 def load_reference_checkpoint(reference: nn.Module, path: str, fmt: str, sd_adapter=None) -> None:
