@@ -260,20 +260,19 @@ class VLLMEngine:
         vllm_enable_sleep_mode (GPU), it sleeps at level 2 between generations (weights and KV cache released) and
         wakes in two stages, the weights then loaded, then the cache: old weights, new weights and the cache never
         hold memory at once (vllm#15254)."""
-        if not self.cfg.vllm_enable_sleep_mode:
-            self.sync()
-            self.llm.reset_prefix_cache()
-            yield
-            return
-        self.llm.wake_up(tags=["weights"])
-        self.version = None  # a level-2 sleep dropped them: load whatever the version
+        sleeps = self.cfg.vllm_enable_sleep_mode
+        if sleeps:
+            self.llm.wake_up(tags=["weights"])
+            self.version = None  # a level-2 sleep dropped them: load whatever the version
         self.sync()
-        self.llm.wake_up(tags=["kv_cache"])
+        if sleeps:
+            self.llm.wake_up(tags=["kv_cache"])
         self.llm.reset_prefix_cache()
         try:
             yield
         finally:
-            self.llm.sleep(level=2)
+            if sleeps:
+                self.llm.sleep(level=2)
 
     def sync(self) -> None:
         """Load the policy's weights if an optimizer step changed them since the last load; every rank at once."""
