@@ -24,8 +24,8 @@ device tool brings back), go to $OUT if set, else benchmarks/results/gpu/:
 
 Not here: vLLM ([online] use_vllm). The lent machine reaches no package registry, and vLLM's CUDA wheel (hundreds of
 MB, with its own compiled kernels and a torch pin of its own) is not among what travels in --prepare-wheels' folder;
-the vLLM path is measured on CPU (benchmarks/vllm_rollouts.py) and its GPU settings (sleep mode, per-request seeds,
-gpu_memory_utilization) have not run.
+the vLLM path is measured on CPU (benchmarks/vllm_rollouts.py) and its GPU settings (sleep mode,
+gpu_memory_utilization, per-request seeds with chunked prefill) have not run.
 Standard library only, so it runs before anything is installed.
 """
 

@@ -261,7 +261,7 @@ class Online:
     """Longest sequence (prompt + completion) vLLM holds (TRL's name); 0 = [training] seq_len + 1, the longest that can be trained on."""
 
     vllm_seed_per_request: bool = False
-    """Seed each completion's draws from its own key, as the built-in sampler does (draws then do not depend on the batch or the layout); CUDA only: CPU vLLM cannot seed a request. false: one seed per engine, TRL's way."""
+    """Seed each completion's draws from its own key (and each tool round's from its length), as the built-in sampler does: the draws then do not depend on the batch or the layout. On CPU, vLLM then prefills every prompt whole (no chunked prefill). false: each generate call seeded from its requests, the batch's draws one stream (TRL's way: one seed per engine)."""
 
     def __post_init__(self):
         _check_types("online", self)
@@ -479,12 +479,8 @@ def check_vllm(job_config) -> None:
         raise ValueError(f"[online] vllm_max_model_length = {o.vllm_max_model_length} is shorter than the "
                          f"{t.seq_len + 1} tokens a sampled sequence may have ([training] seq_len + 1); raise it or "
                          "set 0")
-    if cpu.is_active():
-        for key in ("vllm_enable_sleep_mode", "vllm_seed_per_request"):
-            if getattr(o, key):
-                raise ValueError(f"[online] {key} = true needs a GPU: CPU vLLM "
-                                 + ("has no sleep mode" if key == "vllm_enable_sleep_mode" else
-                                    "cannot seed a request (its generator has no offset)"))
+    if cpu.is_active() and o.vllm_enable_sleep_mode:
+        raise ValueError("[online] vllm_enable_sleep_mode = true needs a GPU: CPU vLLM has no sleep mode")
     from plugin.generation.vllm import engine_config  # raises for a model vLLM cannot run
 
     engine_config(job_config)

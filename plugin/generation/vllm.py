@@ -222,6 +222,11 @@ class VLLMEngine:
             tensor_parallel_size=self.vtp, seed=self.seed,
             max_model_len=length, max_num_seqs=max(seqs, 1), logprobs_mode="processed_logprobs",
             enable_prefix_caching=True, generation_config="vllm", enable_sleep_mode=o.vllm_enable_sleep_mode)
+        if cpu.is_active() and o.vllm_seed_per_request:
+            # a seeded request's prompt split over steps (chunked prefill) makes vLLM undo the draw of its
+            # unfinished part through the generator's offset, which CPU generators lack ("CPU Generator does not use
+            # offset"): every prompt whole in one step (vLLM then raises the step's token budget to the model length)
+            kwargs["enable_chunked_prefill"] = False
         if cpu.is_active():
             # vLLM's CPU default (a share of RAM, checked against the free RAM) fails with several ranks on one
             # machine: the cache for every sequence at full length, in whole blocks, with a block to spare. Blocks
@@ -313,8 +318,8 @@ class VLLMEngine:
             return []
         seeded = self.cfg.vllm_seed_per_request
         params = [self._params(n=1, temperature=temperature, max_tokens=n, stop_token_ids=stop_ids, ignore_eos=True,
-                               logprobs=0, detokenize=False, seed=key if seeded else None)
-                  for _, n, key in everyone]
+                               logprobs=0, detokenize=False, seed=request_seed(key, len(ids)) if seeded else None)
+                  for ids, n, key in everyone]
         with _seeded(self.seed, everyone):
             outs = self.llm.generate([self._prompt(prompt_token_ids=ids) for ids, _, _ in everyone], params,
                                      use_tqdm=False)
@@ -327,6 +332,13 @@ class VLLMEngine:
             ids = list(c.token_ids)
             results.append((ids, [lp[t].logprob for lp, t in zip(c.logprobs, ids)]))
         return results
+
+
+def request_seed(key: int, length: int) -> int:
+    """The seed of one request's draws (vllm_seed_per_request): its completion's key and the row's length so far, so a
+    row's tool rounds draw from streams of their own, and nothing else (the batch, the layout) enters."""
+    digest = hashlib.blake2b(f"{key}:{length}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 @contextmanager
