@@ -220,7 +220,14 @@ def _proof(rank, world_size, out, flavor="debugmodel_small", *flags):
     for experts in [m for m in model.modules() if hasattr(m, "use_grouped_mm")]:
         experts.use_grouped_mm = False  # torchtitan's grouped matmuls compute in bf16: its fp32 for-loop instead
     stats = OnlineStats([])
+    import random
+
+    import numpy as np
+
+    before = torch.get_rng_state(), random.getstate(), np.random.get_state()[1]
     engine = VLLMEngine(cfg, model, pd, stats)
+    after = torch.get_rng_state(), random.getstate(), np.random.get_state()[1]
+    build_kept = torch.equal(before[0], after[0]) and before[1] == after[1] and np.array_equal(before[2], after[2])
     g = torch.Generator().manual_seed(0)
     seqs = torch.randint(0, 2048, (4, 12), generator=g)
 
@@ -263,7 +270,7 @@ def _proof(rank, world_size, out, flavor="debugmodel_small", *flags):
     # close theirs); the runner's os._exit skips vLLM's own finalizer
     torch.save(dict(synced=synced, stale=stale, moved=moved, syncs=stats.syncs, bytes=stats.sync_bytes, kept=kept,
                     same=drawn == again, differ=[i for i, _ in drawn] != [i for i, _ in other],
-                    batch_free=batch_free, chunked=chunked,
+                    batch_free=batch_free, chunked=chunked, build_kept=bool(build_kept),
                     params=sum(p.numel() * p.element_size() for p in model.parameters())), out)
 
 
@@ -283,6 +290,7 @@ def test_after_each_sync_the_engines_logprobs_are_the_policys(tmp_path, flavor, 
     tied = 2048 * 128 * 4 if flavor == "debugmodel_small" else 0
     assert r["syncs"] == 2 and r["bytes"] == 2 * (r["params"] + tied), r
     assert r["kept"] and r["same"] and r["differ"], r  # the draws are the keys', the process's generator untouched
+    assert r["build_kept"], r  # and building the engine (vLLM seeds the global generators) left them all as they were
     # per-request seeds: a request draws the same whatever else the call holds, and where; per-call seeds: the call's
     # requests draw together. CPU vLLM can seed a request only when no prompt is split over steps (it would undo the
     # split part's draw through the generator's offset, which a CPU generator lacks)

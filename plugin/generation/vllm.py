@@ -246,7 +246,8 @@ class VLLMEngine:
 
         self._params, self._prompt = SamplingParams, TokensPrompt
         start = time.perf_counter()
-        self.llm = LLM(**kwargs)
+        with _generators_kept():  # vLLM seeds Python's, NumPy's and torch's global generators with its own seed
+            self.llm = LLM(**kwargs)
         if local_world_size is not None:
             os.environ["LOCAL_WORLD_SIZE"] = local_world_size
         logger.info(f"vLLM engine of {self.vtp} rank(s) built in {time.perf_counter() - start:.1f} s: "
@@ -357,6 +358,25 @@ def _seeded(seed: int, requests: list[tuple[list[int], int, int]]):
         if devices:
             torch.cuda.manual_seed(call)
         yield
+
+
+@contextmanager
+def _generators_kept():
+    """The process's global generators (Python's, NumPy's, torch's on CPU and on this GPU) as they were before the
+    block: the engine's build seeds them all with the engine's seed, which would reseed the training process at the
+    first generation."""
+    import random
+
+    import numpy as np
+
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    states = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            random.setstate(states[0])
+            np.random.set_state(states[1])
 
 
 class VLLMSampler:
