@@ -19,9 +19,11 @@ import contextlib
 import json
 import math
 import os
+import random
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -220,10 +222,6 @@ def _proof(rank, world_size, out, flavor="debugmodel_small", *flags):
     for experts in [m for m in model.modules() if hasattr(m, "use_grouped_mm")]:
         experts.use_grouped_mm = False  # torchtitan's grouped matmuls compute in bf16: its fp32 for-loop instead
     stats = OnlineStats([])
-    import random
-
-    import numpy as np
-
     before = torch.get_rng_state(), random.getstate(), np.random.get_state()[1]
     engine = VLLMEngine(cfg, model, pd, stats)
     after = torch.get_rng_state(), random.getstate(), np.random.get_state()[1]
@@ -389,7 +387,8 @@ def test_requests_seeded_each_draw_the_same_on_every_layout(runs):
     def first_batch(name):
         rows = [json.loads(line) for f in sorted((runs.dumps[name] / "completions").glob("batch-000000-*.jsonl"))
                 for line in f.read_text().splitlines()]
-        return sorted((json.dumps(r["prompt"]), r["completion_ids"]) for r in rows)
+        # by prompt; a group's members stay in their logged order (a stable sort): each is its key's completion
+        return sorted(((json.dumps(r["prompt"]), r["completion_ids"]) for r in rows), key=lambda r: r[0])
 
     ep, tp = first_batch("FSDP=2 x EP=2, MoE"), first_batch("TP=2, MoE")
     assert len(ep) == len(tp) == 16 and [p for p, _ in ep] == [p for p, _ in tp]
