@@ -27,11 +27,13 @@ import hashlib
 import json
 import math
 import os
+import random
 import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
@@ -352,10 +354,9 @@ def _seeded(seed: int, requests: list[tuple[list[int], int, int]]):
     for ids, budget, key in requests:
         h.update(f"{key},{len(ids)},{budget};".encode())
     call = (int.from_bytes(h.digest(), "little") ^ seed) & ((1 << 63) - 1)
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
+    with _generators_kept():
         torch.default_generator.manual_seed(call)
-        if devices:
+        if torch.cuda.is_available():
             torch.cuda.manual_seed(call)
         yield
 
@@ -363,12 +364,8 @@ def _seeded(seed: int, requests: list[tuple[list[int], int, int]]):
 @contextmanager
 def _generators_kept():
     """The process's global generators (Python's, NumPy's, torch's on CPU and on this GPU) as they were before the
-    block: the engine's build seeds them all with the engine's seed, which would reseed the training process at the
-    first generation."""
-    import random
-
-    import numpy as np
-
+    block: vLLM's build seeds them all with the engine's seed (which would reseed the training process at its first
+    generation), and `_seeded` reseeds torch's for each call."""
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     states = random.getstate(), np.random.get_state()
     with torch.random.fork_rng(devices=devices):
