@@ -224,11 +224,6 @@ class VLLMEngine:
             tensor_parallel_size=self.vtp, seed=self.seed,
             max_model_len=length, max_num_seqs=max(seqs, 1), logprobs_mode="processed_logprobs",
             enable_prefix_caching=True, generation_config="vllm", enable_sleep_mode=o.vllm_enable_sleep_mode)
-        if cpu.is_active() and o.vllm_seed_per_request:
-            # a seeded request's prompt split over steps (chunked prefill) makes vLLM undo the draw of its
-            # unfinished part through the generator's offset, which CPU generators lack ("CPU Generator does not use
-            # offset"): every prompt whole in one step (vLLM then raises the step's token budget to the model length)
-            kwargs["enable_chunked_prefill"] = False
         if cpu.is_active():
             # vLLM's CPU default (a share of RAM, checked against the free RAM) fails with several ranks on one
             # machine: the cache for every sequence at full length, in whole blocks, with a block to spare. Blocks
@@ -238,6 +233,10 @@ class VLLMEngine:
             per_token = 2 * config["num_hidden_layers"] * (config["num_key_value_heads"] // self.vtp) * \
                 config["head_dim"] * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
             kwargs["kv_cache_memory_bytes"] = max(seqs, 1) * (math.ceil(length / block) + 1) * block * per_token
+            # a seeded request's prompt split over steps (chunked prefill) makes vLLM undo the draw of its unfinished
+            # part through the generator's offset, which CPU generators lack ("CPU Generator does not use offset"):
+            # every prompt whole in one step (vLLM then raises the step's token budget to the model length)
+            kwargs["enable_chunked_prefill"] = not o.vllm_seed_per_request
             cpu.hide_unloadable()
         else:
             kwargs["gpu_memory_utilization"] = o.vllm_gpu_memory_utilization
