@@ -32,6 +32,7 @@ from test_logprobs import (
     _tp_head,
     assert_check_passed,
     close,
+    graphs_compiled,
     load_checks,
     make_hidden,
     make_labels,
@@ -139,7 +140,12 @@ def test_fused_gradient_accumulation():
 def test_fused_compiled(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     compiled = ("--compile.enable", "--compile.components", "loss", "--grpo.use_bias_correction_kl")
-    assert_same(train(True, "token_mean", *compiled), train(False, "token_mean", "--grpo.use_bias_correction_kl"))
+    with graphs_compiled() as graphs:
+        fused = train(True, "token_mean", *compiled)
+    assert_same(fused, train(False, "token_mean", "--grpo.use_bias_correction_kl"))
+    # the block statistics, the block gradients, and the loss's terms with and without grad (the metrics'):
+    # each once, whatever a chunk's or a batch's tokens (7 graphs when the first call's sizes were specialized)
+    assert graphs == [4]
 
 
 def test_fused_head_runs_once_per_chunk():
@@ -222,7 +228,9 @@ def test_blocked_logprobs_compiled(tmp_path, monkeypatch):
     head, hidden, labels = Head(16, V), make_hidden(Tn), make_labels(Tn, V)
     args = (hidden, labels, head.norm, head.output.weight)
     want = blocked_logprobs(*args, Scoring(chunk_tokens=13, vocab_block=100))
-    got = blocked_logprobs(*args, Scoring(chunk_tokens=13, vocab_block=100, compiled=True))
+    with graphs_compiled() as graphs:
+        got = blocked_logprobs(*args, Scoring(chunk_tokens=13, vocab_block=100, compiled=True))
+    assert graphs == [2]  # one per block shape; chunks of 13 tokens and the last, shorter one share them
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, **SAME_TOL["value"])
 

@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_leaves
 from torchtitan.components.loss import IGNORE_INDEX
 
 from conftest import run_ranks
+import plugin.scoring.logprobs
 from plugin.model.parallelize import tag_compile_caches
 from plugin.scoring.logprobs import (
     Scoring,
@@ -252,6 +253,18 @@ def head_reference(head: Head, hidden, labels, w, temperature, entropy_w=None):
     return logprobs.detach(), entropy.detach(), h.grad, norm_w.grad, out_w.grad
 
 
+@contextlib.contextmanager
+def graphs_compiled():
+    """Yields a list that holds, after the block, how many graphs dynamo compiled in it (from a reset)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    count = []
+    yield count
+    count.append(counters["stats"]["unique_graphs"])
+
+
 def run_chunked(head: Head, hidden, labels, w, *, temperature, chunk_size, seq_shards, compiled, entropy_w=None,
                 log=None, chunk_tokens=0):
     """chunked_logprobs forward + backward of the loss above; grads of the weights as full tensors."""
@@ -375,13 +388,15 @@ def test_chunked_rejects_wrong_shard_length():
 def test_compiled_tp1(tmp_path, monkeypatch):
     # a fresh cache, so this compiles rather than loads what another run left behind
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    # chunks of 12, 12 and 8 positions: the short last chunk makes dynamo recompile
+    # chunks of 12, 12 and 8 positions: the short last chunk is traced by the same graph (maybe_compiled's `varying`)
     T, V, temperature, chunk_size = 32, 1271, 0.7, 12
     head, hidden, labels, w = Head(D, V), make_hidden(T), make_labels(T, V), make_weights(T)
     ref = head_reference(head, hidden, labels, w, temperature)
     kwargs = dict(temperature=temperature, chunk_size=chunk_size, seq_shards=1)
     eager = run_chunked(head, hidden, labels, w, compiled=False, **kwargs)
-    compiled = run_chunked(head, hidden, labels, w, compiled=True, **kwargs)
+    with graphs_compiled() as graphs:
+        compiled = run_chunked(head, hidden, labels, w, compiled=True, **kwargs)
+    assert graphs == [1]  # 2 before: dynamo specialized the first on 12 positions
     compare_chunked(compiled, eager, SAME_TOL, "compiled vs eager")
     compare_chunked(compiled, ref, TOL[torch.float32], "compiled vs fp64")
     # the entropy bonus's gradient through the compiled one-softmax path
@@ -643,10 +658,13 @@ def test_chunked_entropy_grad_tp2(tp_eager):
 
 
 def _tp_compiled(mesh, rank, cache_dir):
-    """Compiled vs eager chunked log-probs at TP=2, then warm-cache reloads with and without the per-rank guard."""
+    """compiled=True at TP=2 on uneven chunks, against eager; then torch.compile of the vocab-sharded log-probs
+    themselves, cold and warm on one cache folder, with and without the per-rank guard."""
     # V = 2048 splits evenly: both ranks trace the same shapes, the case where a shared cache collides
     T, V, temperature = 32, 2048, 0.7
-    kwargs = dict(temperature=temperature, chunk_size=16, seq_shards=2)  # two chunks of 8 positions per rank
+    # 16 positions and 32 tokens a rank: chunks of 12, 12 and 8 tokens. Compiled, the last one failed (RecursionError
+    # in torch 2.13's make_fx), as the next batch's token count did in a TP run without the fused pass
+    kwargs = dict(temperature=temperature, chunk_size=12, seq_shards=2)
     head = _tp_head(mesh, V)
     hidden, labels, w = make_hidden(T), make_labels(T, V), make_weights(T)
     local = slice(rank * T // 2, (rank + 1) * T // 2)
@@ -657,34 +675,44 @@ def _tp_compiled(mesh, rank, cache_dir):
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     tag_compile_caches(rank)
     own_tag = torch.compiler.config.cache_key_tag
+    with graphs_compiled() as graphs:
+        compiled = run_chunked(head, hidden[:, local], labels, w, compiled=True, **kwargs)
 
-    def compiled_run(what):
+    # what a cache shared without the tags does to compiled log-probs of DTensor logits (on two chunks of 8
+    # tokens, which compile): rank 1 finds rank 0's entries under the same keys, with rank 0's vocab range in them
+    even = dict(kwargs, chunk_size=16)
+    want = run_chunked(head, hidden[:, local], labels, w, compiled=False, **even)
+    plugin.scoring.logprobs.COMPILE_SHARDED_LOGITS = True
+
+    def direct(what):
         torch._dynamo.reset()  # drop in-process compiled code: the next call compiles or loads from disk
-        got = run_chunked(head, hidden[:, local], labels, w, compiled=True, **kwargs)
-        return what, got
+        return what, run_chunked(head, hidden[:, local], labels, w, compiled=True, **even)
 
-    results = [compiled_run("cold cache")]
-    results.append(compiled_run("warm shared cache, own tag"))
-    dist.barrier()  # both ranks' graphs are in the folder
-    # what a cache shared without the tags does: rank 1 finds rank 0's entries under the same keys
-    torch.compiler.config.cache_key_tag = "rank0"
-    shared = compiled_run("rank 0's tag")[1]
-    torch.compiler.config.cache_key_tag = own_tag
-    return eager, ref, results, shared
+    try:
+        results = [direct("cold cache"), direct("warm shared cache, own tag")]
+        dist.barrier()  # both ranks' graphs are in the folder
+        torch.compiler.config.cache_key_tag = "rank0"
+        shared = direct("rank 0's tag")[1]
+    finally:
+        torch.compiler.config.cache_key_tag = own_tag
+        plugin.scoring.logprobs.COMPILE_SHARDED_LOGITS = False
+    return eager, ref, (compiled, graphs), (want, results, shared)
 
 
 def _tp_compiled_checks(rank, world_size, out_dir, cache_dir):
     mesh = init_device_mesh("cpu", (world_size,))
     checks = Checks(out_dir, rank)
-    eager, ref, results, shared = _tp_compiled(mesh, rank, cache_dir)
+    eager, ref, (compiled, graphs), (want, results, shared) = _tp_compiled(mesh, rank, cache_dir)
 
     def compiled_matches():
+        compare_chunked(compiled, eager, SAME_TOL, "TP=2 compiled vs eager")
+        compare_chunked(compiled, ref, TOL[torch.float32], "TP=2 compiled vs fp64")
+        assert graphs == [0], graphs  # vocab-sharded logits are scored eagerly (plugin.scoring.logprobs._score_chunk)
         for what, got in results:
-            compare_chunked(got, eager, SAME_TOL, f"TP=2 compiled ({what}) vs eager")
-            compare_chunked(got, ref, TOL[torch.float32], f"TP=2 compiled ({what}) vs fp64")
+            compare_chunked(got, want, SAME_TOL, f"TP=2 compiled DTensor log-probs ({what}) vs eager")
 
     def shared_cache_is_wrong():
-        err = (shared[0] - eager[0]).abs().max().item()
+        err = (shared[0] - want[0]).abs().max().item()
         assert err > 1e-2, f"rank 1 on rank 0's compile cache still gave right log-probs (max error {err:.2e})"
 
     checks.run("compiled", compiled_matches)
@@ -701,13 +729,15 @@ def tp_compiled(tmp_path_factory):
 
 @pytest.mark.slow  # inductor compiles on CPU: tens of seconds
 def test_compiled_tp2(tp_compiled):
-    """compiled=True at TP=2 (per-rank cache key tags in one folder, cold then warm) matches eager and fp64: values and gradients."""
+    """compiled=True at TP=2 on uneven chunks matches eager and fp64 (values and gradients), and log-probs of DTensor
+    logits compiled (on even chunks) under per-rank cache key tags in one folder, cold then warm, equal eager's."""
     assert_check_passed(tp_compiled, "compiled")
 
 
 @pytest.mark.slow  # the fixture compiles with inductor
 def test_shared_compile_cache_breaks_tp(tp_compiled):
-    """Why tag_compile_caches exists: a rank that loads the other rank's compiled log-probs gets wrong values."""
+    """Why tag_compile_caches exists: a rank that loads the other rank's compiled log-probs of DTensor logits gets
+    wrong values (the product scores those eagerly now; the tags keep any such graph a rank's own)."""
     assert_check_passed(tp_compiled, "shared_cache")
 
 

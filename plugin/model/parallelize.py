@@ -61,6 +61,10 @@ def build_grpo_parallelize_fn(base_parallelize: Callable) -> Callable:
             backend=job_config.compile.backend,
             entropy_grad=grpo.entropy_coef > 0,
         )
+        if scoring.compiled and seq_shards > 1 and not grpo.fused_policy_pass:
+            logger.info("[grpo] fused_policy_pass = false under tensor parallelism: the policy's log-probs of the "
+                        "vocab-sharded logits run eagerly in loss_parallel (torch 2.13 fails to compile them once "
+                        "a batch's token count changes); the blocks and the loss terms are compiled")
         if reference is not None:
             ref_scoring = dataclasses.replace(scoring, compiled=job_config.reference_model.compile,
                                               with_entropy=False, entropy_grad=False)

@@ -16,6 +16,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.utils.checkpoint import checkpoint
 from torchtitan.components.loss import IGNORE_INDEX
 
+from plugin.runtime import internals
+
 
 def _plain(x: torch.Tensor) -> torch.Tensor:
     """A per-token result as a plain tensor; DTensor results here are Replicate or Partial."""
@@ -104,26 +106,46 @@ class Scoring:
 
 
 _compiled: dict[object, object] = {}
+# whether a compiled Scoring also compiles the log-probs of vocab-sharded (DTensor) logits: off, see _score_chunk;
+# tests turn it on to show what a shared compile cache does to such a graph (tests/test_logprobs.py)
+COMPILE_SHARDED_LOGITS = False
 
 
-def maybe_compiled(fn, enabled: bool, backend: str = "inductor"):
-    """`fn` compiled once per (function, backend) when `enabled`, else `fn` itself."""
+def maybe_compiled(fn, enabled: bool, backend: str = "inductor", varying: tuple[int, ...] = ()):
+    """`fn` compiled once per (function, backend) when `enabled`, else `fn` itself.
+
+    `varying`: the dims of its plain tensor arguments whose size changes between calls (a chunk's tokens, a
+    batch's length), each traced as any size from the first call. Else dynamo specializes the first graph
+    on the first call's sizes and compiles again at the first other size (a batch's last, shorter chunk),
+    before it makes the dim dynamic itself.
+    """
     if not enabled:
         return fn
-    if (fn, backend) not in _compiled:
-        _compiled[fn, backend] = torch.compile(fn, backend=backend)
-    return _compiled[fn, backend]
+    if (fn, backend, varying) not in _compiled:
+        compiled = torch.compile(fn, backend=backend)
+        if varying:
+            def compiled(*args, _compiled_fn=compiled, **kwargs):
+                # plain tensors: a DTensor's graph fails to compile once its sizes are dynamic (_score_chunk)
+                internals.lengths_vary(*[(a, d) for a in args if type(a) is torch.Tensor
+                                         for d in varying if d < a.dim()])
+                return _compiled_fn(*args, **kwargs)
+        _compiled[fn, backend, varying] = compiled
+    return _compiled[fn, backend, varying]
 
 
 def _score_chunk(head, h, labels, scoring: Scoring):
     """Log-probs and entropy (None without `with_entropy`) of one chunk; its logits live only inside this call."""
-    logits = head(h)  # [B, k, V], or a Shard(-1) DTensor under loss_parallel
+    logits = head(h)  # [1, k, V], or a Shard(-1) DTensor under loss_parallel; k varies (a batch's last chunk)
     s = scoring
+    # vocab-sharded logits are scored eagerly: once a DTensor's token count varies (the next batch, a shorter last
+    # chunk), torch 2.13 fails to compile the graph (RecursionError in make_fx's proxy thunks, marked dynamic up
+    # front or not); the fused pass and the reference's blocks compile their vocab shards as plain tensors
+    compiled = s.compiled and (COMPILE_SHARDED_LOGITS or not isinstance(logits, DTensor))
     if not s.with_entropy:
-        return maybe_compiled(compute_logprobs, s.compiled, s.backend)(logits, labels, s.temperature), None
+        return maybe_compiled(compute_logprobs, compiled, s.backend, (1,))(logits, labels, s.temperature), None
     # entropy is a logged statistic unless the loss has an entropy bonus
-    return maybe_compiled(compute_logprobs_and_entropy, s.compiled, s.backend)(logits, labels, s.temperature,
-                                                                               s.entropy_grad)
+    return maybe_compiled(compute_logprobs_and_entropy, compiled, s.backend, (1,))(
+        logits, labels, s.temperature, s.entropy_grad)
 
 
 def chunk_tokens_for(budget_mib: float, vocab_size: int, seq_shards: int = 1) -> int:
@@ -259,7 +281,8 @@ class _Vocab:
         block = scoring.vocab_block
         self.blocks = [(v, self.w[v : v + block]) for v in range(0, self.w.shape[0], block)]
         self.temperature = scoring.temperature
-        self.block_stats, self.block_grad = (maybe_compiled(f, scoring.compiled, scoring.backend)
+        # their arguments' dim 0 is a chunk's tokens
+        self.block_stats, self.block_grad = (maybe_compiled(f, scoring.compiled, scoring.backend, (0,))
                                              for f in (_block_stats, _block_grad))
         self.buffer = None
         # the gradient products' operands: CUDA multiplies bf16 into fp32 (mm's out_dtype); the CPU has no such
@@ -283,7 +306,9 @@ class _Vocab:
         """
         N = x.shape[0]
         m = torch.full((N,), float("-inf"), device=x.device)
-        s, picked = torch.zeros(2, N, device=x.device)
+        # each its own tensor: as views of one, the second's storage offset would be N, which a compiled
+        # block_stats traced with N dynamic guards on, so the next call (fresh outputs) would recompile it
+        s, picked = torch.zeros(N, device=x.device), torch.zeros(N, device=x.device)
         u = torch.zeros(N, device=x.device) if with_entropy else None
         for v, w_b in self.blocks:
             m, s, u, picked = self.block_stats(self.logits(x, w_b), label - self.offset - v, m, s, u, picked,

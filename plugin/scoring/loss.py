@@ -138,7 +138,8 @@ def grpo_loss(pred, labels: torch.Tensor, *, token_terms_fn, stats=None) -> torc
 def token_terms_fn(job_config):
     """grpo_token_terms with the run's [grpo] settings; compiled when [compile] components has 'loss'."""
     cfg = job_config.grpo
-    terms_fn = maybe_compiled(grpo_token_terms, compiles_loss(job_config), job_config.compile.backend)
+    # [B, T] and [B] arguments: a batch's rows and length, or a fused chunk's, change from call to call
+    terms_fn = maybe_compiled(grpo_token_terms, compiles_loss(job_config), job_config.compile.backend, (0, 1))
     same_name = ("clip_low", "clip_high", "beta", "kl_estimator", "dual_clip", "entropy_coef", "kl_log_ratio_clamp",
                  "kl_max", "importance_sampling_level")  # [grpo] keys named as grpo_token_terms' arguments
     return partial(terms_fn, **{key: getattr(cfg, key) for key in same_name}, ratio_cap=cfg.behavior_ratio_cap,
