@@ -259,6 +259,19 @@ def job_logs(proc) -> list[str]:
     return re.split(r"^(?=.*run_jobs: job \d+ of \d+: )", proc.stdout, flags=re.M)[1:]
 
 
+def _keep_launch_log(start: float, nproc: int, command: list[str], proc) -> None:
+    """With KEEP_LAUNCH_LOGS=DIR, a launch's rank-0 output goes to DIR, headed by its wall time and command, named
+    by its start and the test that made it: run_jobs' "done in" lines then tell each job's time from the launch's
+    start-up (docs/architecture.md)."""
+    folder = os.environ.get("KEEP_LAUNCH_LOGS")
+    if not folder:
+        return
+    test = re.sub(r"[^\w.\[\]-]+", "_", os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0])[:150]
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    (Path(folder) / f"{start:.3f}-{test}.log").write_text(
+        f"wall {time.time() - start:.1f} s, {nproc} ranks: {' '.join(command)}\n{proc.stdout}{proc.stderr}")
+
+
 def _launch(nproc: int, command: list[str], env: dict | None, timeout: int):
     logs = tempfile.mkdtemp(prefix="torchrun-logs-")
     others = ",".join(f"{r}:3" for r in range(1, nproc))
@@ -269,7 +282,9 @@ def _launch(nproc: int, command: list[str], env: dict | None, timeout: int):
     ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     try:
+        start = time.time()
         proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+        _keep_launch_log(start, nproc, command, proc)
         proc.other_ranks = {int(Path(f).parent.name): Path(f).read_text(errors="replace")
                             for f in glob.glob(os.path.join(logs, "*", "attempt_*", "*", "stderr.log"))}
     finally:
