@@ -85,6 +85,15 @@ def _lengths_vary(block: nn.Module, args: tuple, rope_rows: int) -> None:
     internals.lengths_vary(*dims)
 
 
+def _tokens_vary(module: nn.Module, args: tuple) -> None:
+    """A forward pre-hook of an MoE layer's router, reorderer and shared experts, which torchtitan compiles one by
+    one: their [tokens, ...] inputs (2-D; the 1-D ones, the router's expert bias, are per expert) are traced for
+    any token count from the first call, as _lengths_vary does for whole blocks."""
+    if torch.compiler.is_compiling():
+        return
+    internals.lengths_vary(*[(a, 0) for a in args if type(a) is torch.Tensor and a.dim() == 2])
+
+
 class GRPOModel:
     """Mixin over torchtitan's model class: scores labels, owns the frozen reference."""
 
@@ -121,6 +130,10 @@ class GRPOModel:
             # after FSDP's pre-forward hook (registered first, and prepended), which casts the inputs under mixed
             # precision into tensors of its own
             layer.register_forward_pre_hook(partial(_lengths_vary, rope_rows=rope_rows))
+            if getattr(layer, "moe", None) is not None:
+                for name, module in layer.moe.named_children():
+                    if name != "experts":  # eager in torchtitan's compile, its grouped matmul a compiled function
+                        module.register_forward_pre_hook(_tokens_vary)
         if isinstance(self, FSDPModule):
             # the methods called from outside forward run FSDP's root hooks as forward does
             for method in ("hidden_states", "_logprobs"):
