@@ -710,6 +710,7 @@ def _tp_compiled_checks(rank, world_size, out_dir, cache_dir):
         assert graphs == [0], graphs  # vocab-sharded logits are scored eagerly (plugin.scoring.logprobs._score_chunk)
         for what, got in results:
             compare_chunked(got, want, SAME_TOL, f"TP=2 compiled DTensor log-probs ({what}) vs eager")
+            compare_chunked(got, ref, TOL[torch.float32], f"TP=2 compiled DTensor log-probs ({what}) vs fp64")
 
     def shared_cache_is_wrong():
         err = (shared[0] - want[0]).abs().max().item()
