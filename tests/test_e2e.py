@@ -89,9 +89,11 @@ def test_reference_frozen_policy_trained(runs, seed_checkpoint, name):
 def test_compiled_tp_shares_a_cache_and_matches_eager(runs, seed_checkpoint, tmp_path_factory):
     """TP=2 with compiled blocks, policy loss and reference log-probs, twice on one inductor cache.
 
-    Without the per-rank cache key tags the second (warm) run reuses one rank's graph on the
-    other rank, with the wrong vocab range baked in, and its losses are silently wrong. Each run is
-    a launch of its own: the warm one must start with nothing compiled but what the cold one left on disk.
+    The ranks share the cache folder under per-rank cache key tags (plugin.model.parallelize.tag_compile_caches).
+    These runs' graphs (the fused pass, the reference's blocks) bake in no rank's vocab range: with the tags
+    removed they matched eager too (2026-12-05); tests/test_logprobs.py shows the graph that does, compiled
+    log-probs of DTensor logits, which the policy now scores eagerly. Each run is a launch of its own: the
+    warm one must start with nothing compiled but what the cold one left on disk.
     """
     cache = tmp_path_factory.mktemp("inductor_cache")
     flags = ["--parallelism.tensor_parallel_degree", "2", "--compile.enable", "--compile.components", "model,loss",

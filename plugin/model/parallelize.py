@@ -26,7 +26,9 @@ def tag_compile_caches(rank: int) -> None:
 
     The FX graph and AOTAutograd cache keys do not tell TP ranks apart, so with one cache folder a rank
     would load a graph that has the other rank's vocab range baked in, and its log-probs would be silently
-    wrong (pytorch/pytorch#188390; tests/test_logprobs.py shows it). The tag keeps the graphs apart while
+    wrong (pytorch/pytorch#188390; tests/test_logprobs.py shows it). Compiled log-probs of DTensor logits
+    are such a graph; the policy scores those eagerly now (plugin.scoring.logprobs._score_chunk), so the tag
+    guards any graph that would bake a rank's values in. The tag keeps the graphs apart while
     the ranks share one folder, so the C++ and Triton kernels, keyed by their source, are compiled once
     for all ranks (under a file lock) rather than once per rank.
     """
