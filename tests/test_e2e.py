@@ -87,27 +87,35 @@ def test_reference_frozen_policy_trained(runs, seed_checkpoint, name):
 
 
 def test_compiled_tp_shares_a_cache_and_matches_eager(runs, seed_checkpoint, tmp_path_factory):
-    """TP=2 with compiled blocks, policy loss and reference log-probs, twice on one inductor cache.
+    """TP=2 with compiled blocks, policy loss and reference log-probs, twice on one inductor cache; and the unfused
+    pass compiled, which scores its vocab-sharded logits eagerly.
 
     The ranks share the cache folder under per-rank cache key tags (plugin.model.parallelize.tag_compile_caches).
     These runs' graphs (the fused pass, the reference's blocks) bake in no rank's vocab range: with the tags
     removed they matched eager too (2026-12-05); tests/test_logprobs.py shows the graph that does, compiled
-    log-probs of DTensor logits, which the policy now scores eagerly. Each run is a launch of its own: the
-    warm one must start with nothing compiled but what the cold one left on disk.
+    log-probs of DTensor logits, which the policy now scores eagerly. The cold and the warm run are launches of
+    their own (the unfused run follows the cold one in its launch): the warm one must start with nothing compiled
+    but what the cold launch left on disk.
     """
     cache = tmp_path_factory.mktemp("inductor_cache")
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(cache)}
     flags = ["--parallelism.tensor_parallel_degree", "2", "--compile.enable", "--compile.components", "model,loss",
              "--reference_model.compile"]
+    # in the cold launch, after it: the unfused pass with 24-token chunks, whose vocab-sharded log-probs failed to
+    # compile at step 2 (RecursionError) before they were scored eagerly
+    unfused = [*flags, "--grpo.no_fused_policy_pass", "--grpo.logprob_chunk_tokens", "24", "--grpo.logprob_chunk_mib", "0"]
+    cold = train_runs(tmp_path_factory, {"compiled_cold": run(seed_checkpoint, 2, *flags, steps=STEPS, env=env),
+                                         "compiled_unfused": run(seed_checkpoint, 2, *unfused, steps=STEPS, env=env)})
     eager = scalars(runs["tp2"])
-    seen = []  # the compiled kernels in the cache after each run: keyed by their source, shared by the ranks
-    for name in ("compiled_cold", "compiled_warm"):
-        dump = train(tmp_path_factory, seed_checkpoint, name, 2, *flags, steps=STEPS,
-                     env={"TORCHINDUCTOR_CACHE_DIR": str(cache)})
+    seen = []  # the compiled kernels in the cache after each launch: keyed by their source, shared by the ranks
+    for name in ("compiled_cold", "compiled_unfused", "compiled_warm"):
+        dump = cold.get(name) or train(tmp_path_factory, seed_checkpoint, name, 2, *flags, steps=STEPS, env=env)
         tb = scalars(dump)
         for tag in ("loss_metrics/global_avg_loss", "grad_norm", "grpo/kl"):
             # inductor fuses and reorders fp32 math: agreement to 1e-4, not bitwise
             assert tb[tag] == pytest.approx(eager[tag], rel=1e-4, abs=1e-7), (name, tag)
-        seen.append(set(cache.rglob("*.so")))
+        if name != "compiled_unfused":
+            seen.append(set(cache.rglob("*.so")))
     assert seen[0] and seen[1] == seen[0]  # the warm run compiled no kernel: it ran what the cold run left
     assert any((cache / "fxgraph").iterdir())  # the ranks' graphs, each under its own key
     assert not any(p.name.startswith("rank_") for p in cache.iterdir())  # one folder for both ranks
