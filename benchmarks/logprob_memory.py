@@ -173,7 +173,12 @@ def worker(args) -> None:
     from plugin.model.parallelize import tag_compile_caches
     from plugin.scoring.logprobs import VOCAB_BLOCK, Scoring, blocked_logprobs, chunked_logprobs, fused_chunked_loss
 
+    import plugin.scoring.logprobs
+
     variant, pass_ = VARIANTS[args.variant_list[0]], args.pass_list[0]
+    # a compiled variant compiles its vocab-sharded log-probs as the figures since 2026-12-03 did: the shapes here do
+    # not vary, where that compile works; the plugin's own runs score those eagerly (plugin.scoring.logprobs)
+    plugin.scoring.logprobs.COMPILE_SHARDED_LOGITS = variant.compiled
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if args.device == "cuda":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())

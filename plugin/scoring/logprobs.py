@@ -107,7 +107,8 @@ class Scoring:
 
 _compiled: dict[object, object] = {}
 # whether a compiled Scoring also compiles the log-probs of vocab-sharded (DTensor) logits: off, see _score_chunk;
-# tests turn it on to show what a shared compile cache does to such a graph (tests/test_logprobs.py)
+# tests turn it on to show what a shared compile cache does to such a graph (tests/test_logprobs.py), and
+# benchmarks/logprob_memory.py for its compiled loss_parallel baselines, whose shapes do not vary
 COMPILE_SHARDED_LOGITS = False
 
 
