@@ -1,5 +1,6 @@
 """What torchtitan 0.2.2 needs to train on a CPU-only machine over gloo, and only that."""
 
+import atexit
 import functools
 import importlib
 import importlib.util
@@ -209,6 +210,46 @@ def hide_unloadable(names=CUDA_ONLY_MEDIA) -> list[str]:
                     f"need none of them): {'; '.join(why)}")
         internals.vllm_registry_command(f"import sys\nfor n in {hidden!r}: sys.modules[n] = None")
     return hidden
+
+
+EXIT_NOTE = ("The run ended well: this rank will leave before the interpreter's shutdown, where gloo's threads can "
+             "abort it (pytorch/pytorch#179291)")
+
+
+def exit_before_shutdown(entry: str = "torchtitan.train") -> bool:
+    """After a CPU run that ended well, end the process before the interpreter's shutdown; True if armed.
+
+    At shutdown, after the exit handlers, Python (3.11, 3.12) ends every thread that then asks for the GIL with
+    pthread_exit. A gloo worker thread (C++) that asks then, to run a collective's Python callback or to free a tensor
+    whose Python object outlived it, dies in std::terminate ("terminate called without an active exception"), and the
+    rank exits with SIGABRT after its work was done and checked (pytorch/pytorch#179291). CI saw that in TP=2 runs on
+    2 loaded cores, also after the barrier that makes the ranks leave together; tests/test_cpu.py reproduces it with
+    a callback still running at shutdown, and shows that this exit cannot abort.
+    Armed only in the process that `python -m <entry>` runs (torchtitan.train: torchrun's ranks), where the run's end
+    is the process's end (in pytest's, it would hide pytest's exit status). The last exit handler runs the others
+    (entry 9 of plugin.runtime.internals), flushes stdout and stderr, and calls os._exit(0), or os._exit(1) after an
+    uncaught error (printed before the exit handlers): the statuses the interpreter gives.
+    """
+    main = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if not _active or getattr(main, "name", None) != entry:
+        return False
+    atexit.unregister(_leave_before_shutdown)  # armed once, however often a run closes
+    atexit.register(_leave_before_shutdown)
+    logger.info(f"[cpu] {EXIT_NOTE}")
+    return True
+
+
+def _leave_before_shutdown() -> None:
+    atexit.unregister(_leave_before_shutdown)
+    internals.run_exit_handlers()
+    # the interpreter printed an uncaught error (sys.last_value) before the exit handlers: its status is 1
+    code = 0 if getattr(sys, "last_value", None) is None else 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - what a closed or broken stream raises
+            code = 120  # the interpreter's own status when it cannot flush them
+    os._exit(code)
 
 
 def is_active() -> bool:

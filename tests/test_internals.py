@@ -163,3 +163,16 @@ def test_entry_8_vllm_repacks_cpu_experts_only_at_the_first_load():
     model = torch.nn.Sequential(dense, moe)
     assert internals.vllm_repack_moe(SimpleNamespace(model_runner=SimpleNamespace(model=model))) == 1
     assert done == [moe]
+
+
+def test_entry_9_atexit_run_exitfuncs():
+    import subprocess
+    import sys
+
+    # in a process of its own: in pytest's, it would run pytest's exit handlers
+    code = ("import atexit\natexit.register(print, 'handler ran')\nfrom plugin.runtime import internals\n"
+            "internals.run_exit_handlers()\nprint('after')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    # the handler ran once, when called, and not again at the exit
+    assert done.returncode == 0 and done.stdout == "handler ran\nafter\n", (
+        f"entry 9: atexit._run_exitfuncs no longer runs and clears the handlers: {done.stdout!r} {done.stderr[-500:]!r}")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import plugin.cpu
 from conftest import REPO, check, scalars_by_step, torchrun
 
 CONFIG = "train_configs/online_cpu.toml"
@@ -50,12 +51,20 @@ def runs(tmp_path_factory, seed_checkpoint, prompts) -> dict[str, Path]:
         dump = out[name] = tmp_path_factory.mktemp(name.replace(" ", "_").replace("=", ""))
         env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")])),
                "TOY_TOOL_LOG": str(dump)}
-        check(torchrun(nproc, CONFIG, "--job.dump_folder", str(dump), "--training.steps", "1",
-                       "--training.dataset_path", str(prompts), "--checkpoint.enable", "--checkpoint.initial_load_path",
-                       str(seed_checkpoint), "--checkpoint.interval", "1000", *TOOLS, *flags,
-                       "--validation.enable", "--validation.dataset_path", str(prompts), "--validation.freq", "1",
-                       "--validation.local_batch_size", "2", "--online.eval_log_completions", env=env))
+        proc = torchrun(nproc, CONFIG, "--job.dump_folder", str(dump), "--training.steps", "1",
+                        "--training.dataset_path", str(prompts), "--checkpoint.enable", "--checkpoint.initial_load_path",
+                        str(seed_checkpoint), "--checkpoint.interval", "1000", *TOOLS, *flags,
+                        "--validation.enable", "--validation.dataset_path", str(prompts), "--validation.freq", "1",
+                        "--validation.local_batch_size", "2", "--online.eval_log_completions", env=env)
+        check(proc)
+        (dump / "rank0.log").write_text(proc.stdout + proc.stderr)
     return out
+
+
+def test_every_layout_leaves_before_the_interpreters_shutdown(runs):
+    # CI saw this launch's TP=2 rank 1 abort after a good run, in the interpreter's shutdown: plugin.cpu's exit skips it
+    for name, dump in runs.items():
+        assert plugin.cpu.EXIT_NOTE in (dump / "rank0.log").read_text(), name
 
 
 def trajectories(dump: Path) -> dict[tuple[str, int], dict]:

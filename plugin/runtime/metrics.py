@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torchtitan.components.metrics import MetricsProcessor
 
+from plugin import cpu
 from plugin.job import GRPOJob
 from plugin.runtime.export import complete_hf_export
 from plugin.runtime.stats import GIB, GRPOStats, OnlineStats
@@ -70,6 +71,8 @@ class GRPOMetricsProcessor(MetricsProcessor):
         if getattr(self.job, "vllm", None) is not None:  # [online] use_vllm: its teardown destroys the process groups
             self.job.vllm.close()
             self.job.vllm = None
+        if sys.exc_info()[1] is None:
+            cpu.exit_before_shutdown()  # on CPU, gloo's threads can abort the interpreter's shutdown
 
 
 def leave_together() -> None:
@@ -78,10 +81,9 @@ def leave_together() -> None:
     torchtitan's main lets rank 0 sleep 2 s after the last step while the other ranks destroy their
     groups and exit at once. CI (2 loaded CPU cores, gloo) has seen such a rank abort there, rarely,
     after its work was done (SIGABRT), as the in-process test ranks did (tests/conftest.py). The
-    likely cause: a gloo worker thread drops the last reference to a collective's tensor while the
-    interpreter shuts down, and freeing a tensor whose Python object outlived it takes the GIL,
-    which then ends the thread in a C++ terminate. The barrier's round trip gives those threads
-    time to finish, and the ranks leave together.
+    barrier's round trip gives gloo's threads time to finish, and the ranks leave together; a thread
+    that still asks for the GIL in the interpreter's shutdown aborts the rank even so, which
+    plugin.cpu.exit_before_shutdown prevents (docs/reliability.md, "The end of a run").
     Trainer.close also runs while an error propagates; a peer may be gone then, so no barrier.
     """
     if dist.is_initialized() and sys.exc_info()[1] is None:
