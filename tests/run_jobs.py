@@ -101,6 +101,12 @@ def main() -> None:
                 raise SystemExit(f"run_jobs: job {job + 1} of {len(jobs)} should have failed and did not")
             logger.info(f"run_jobs: job {job + 1} of {len(jobs)} done in {time.perf_counter() - start:.1f} s")
         clean_up()
+    # every job ended as it should: on CPU, leave before the interpreter's shutdown, where gloo's threads can abort a
+    # rank (plugin.cpu.exit_before_shutdown arms this for torchtitan.train's own process; this script is not that one)
+    import plugin.cpu  # the jobs' custom_import loaded it
+
+    if plugin.cpu.is_active():
+        plugin.cpu.leave_process(0)
 
 
 if __name__ == "__main__":
