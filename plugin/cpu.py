@@ -8,6 +8,7 @@ import os
 import platform
 import sys
 from types import SimpleNamespace
+from typing import NoReturn
 
 import torch
 from torch.distributed.fsdp import FSDPModule
@@ -240,16 +241,15 @@ def exit_before_shutdown(entry: str = "torchtitan.train") -> bool:
 
 
 def _leave_before_shutdown() -> None:
-    atexit.unregister(_leave_before_shutdown)
     # the interpreter printed an uncaught error (sys.last_value) before the exit handlers: its status is 1
     leave_process(0 if getattr(sys, "last_value", None) is None else 1)
 
 
-def leave_process(code: int = 0):
+def leave_process(code: int = 0) -> NoReturn:
     """End the process now with `code`, as the interpreter's exit would, less its shutdown (exit_before_shutdown):
     the exit handlers still registered run, stdout and stderr are flushed, then os._exit. Also for a script that runs
     torchtitan's Trainer itself (tests/run_jobs.py runs several in one process) and ends well."""
-    atexit.unregister(_leave_before_shutdown)
+    atexit.unregister(_leave_before_shutdown)  # when called while armed: it would run again among the handlers
     internals.run_exit_handlers()
     for stream in (sys.stdout, sys.stderr):
         try:
