@@ -7,6 +7,7 @@ import importlib.util
 import os
 import platform
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 from typing import NoReturn
 
@@ -257,6 +258,23 @@ def leave_process(code: int = 0) -> NoReturn:
         except Exception:  # noqa: BLE001 - what a closed or broken stream raises
             code = 120  # the interpreter's own status when it cannot flush them
     os._exit(code)
+
+
+def vllm_shm_segments() -> list[Path]:
+    """The shared-memory files CPU vLLM's collectives made for this rank (its TP and PP groups), while its groups are up.
+
+    vLLM's C++ SHMManager unlinks them only in a static destructor at the process's exit, which
+    exit_before_shutdown's os._exit skips; left behind, they make the next run's engine stop with
+    "create shm in SHMManager failed. errno: 17" (the names repeat run to run). VLLMEngine.close removes them.
+    """
+    from vllm.distributed import parallel_state
+
+    out = []
+    for group in (parallel_state.get_tp_group(), parallel_state.get_pp_group()):
+        name = getattr(getattr(group.device_communicator, "dist_module", None), "group_name", None)
+        if name is not None:  # a group of one rank, or vLLM's torch.distributed fallback, has none
+            out.append(Path("/dev/shm") / f"{name.lstrip('/')}_{group.rank_in_group}")
+    return out
 
 
 def is_active() -> bool:

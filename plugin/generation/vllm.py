@@ -301,8 +301,11 @@ class VLLMEngine:
     def close(self) -> None:
         """Shut the engine down while the process groups are up (its teardown destroys vLLM's groups, and the default
         one, which torchtitan's main then skips); the metrics processor calls it at the run's end, every rank at once."""
+        shm = cpu.vllm_shm_segments() if cpu.is_active() else []
         self.llm.llm_engine.engine_core.shutdown()
         self.folder.cleanup()
+        for path in shm:  # every rank has mapped its peers' files by now: removing the names frees nothing in use
+            path.unlink(missing_ok=True)
 
     def generate(self, requests: list[tuple[list[int], int, int]], temperature: float,
                  stop_ids: list[int]) -> list[tuple[list[int], list[float]]]:
