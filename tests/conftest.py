@@ -242,10 +242,10 @@ def torchrun(nproc: int, config: str, *overrides: str, env: dict | None = None, 
 
 
 def torchrun_jobs(nproc: int, jobs: list, env: dict | None = None, timeout: int = 600):
-    """Several jobs (each the arguments `-m torchtitan.train` would take, or {"argv": [...], "fails": True} on one
-    rank) one after another in one launch (tests/run_jobs.py): the launch's start-up, most of a short run's time,
-    is paid once. `timeout` is per job; `job_logs` cuts rank 0's output into the jobs' logs."""
-    assert nproc == 1 or not any(isinstance(j, dict) and j.get("fails") for j in jobs), "a failing job needs 1 rank"
+    """Several jobs (each the arguments `-m torchtitan.train` would take, or {"argv": [...], "fails": True}: on
+    several ranks, one that every rank stops before its first collective) one after another in one launch
+    (tests/run_jobs.py): the launch's start-up, most of a short run's time, is paid once. `timeout` is per job;
+    `job_logs` cuts rank 0's output into the jobs' logs."""
     path = Path(tempfile.mkdtemp(prefix="jobs-")) / "jobs.json"
     path.write_text(json.dumps(jobs))
     try:
@@ -377,15 +377,25 @@ def run(seed: Path, nproc: int, *extra: str, steps: int = 3, config: str = CONFI
     return Run(seed, nproc, extra, steps, config, tuple(sorted((env or {}).items())))
 
 
-def train_runs(tmp_path_factory, runs: dict[str, Run], resumes: dict[str, Run] | None = None) -> dict[str, Path]:
+def train_runs(tmp_path_factory, runs: dict[str, Run], resumes: dict[str, Run] | None = None,
+               failing: dict[str, tuple[int, list[str]]] | None = None) -> dict[str, Path]:
     """Every run's dump folder; runs on the same number of ranks with the same environment share one launch.
-    `resumes`: for a run's name, a run that continues it from its last checkpoint (its dump), last in the launch."""
+    `resumes`: for a run's name, a run that continues it from its last checkpoint (its dump), last in the launch.
+    `failing`: for a name, (ranks, `-m torchtitan.train` arguments) of a job that must stop with an error, last in
+    the launch of its rank count with no environment added; its value is then a file holding that job's rank-0 log."""
     dumps = {name: tmp_path_factory.mktemp(name) for name in runs}
     launches = defaultdict(list)
     for name, r in [*runs.items(), *(resumes or {}).items()]:
-        launches[r.nproc, r.env].append(["--job.config_file", r.config, *r.overrides(dumps[name])])
+        launches[r.nproc, r.env].append((name, ["--job.config_file", r.config, *r.overrides(dumps[name])]))
+    for name, (nproc, argv) in (failing or {}).items():
+        launches[nproc, ()].append((name, {"argv": argv, "fails": True}))
     for (nproc, env), jobs in launches.items():
-        check(torchrun_jobs(nproc, jobs, env=dict(env)))
+        proc = torchrun_jobs(nproc, [job for _, job in jobs], env=dict(env))
+        check(proc)
+        for (name, job), log in zip(jobs, job_logs(proc)):
+            if isinstance(job, dict):
+                dumps[name] = tmp_path_factory.mktemp(name) / "job.log"
+                dumps[name].write_text(log)
     return dumps
 
 

@@ -3,8 +3,9 @@
     torchrun --nproc_per_node N tests/run_jobs.py JOBS.json
 
 JOBS.json is a list of jobs, each the argument list `-m torchtitan.train` would be given, or
-{"argv": [...], "fails": true} for a job that must stop with an error (on one rank only: a rank that
-fails alone leaves its peers waiting): its traceback is logged and the next job runs. Every job runs
+{"argv": [...], "fails": true} for a job that must stop with an error: its traceback is logged and
+the next job runs. On several ranks, every rank must stop at the same check before its first
+collective (a rank that fails alone leaves its peers waiting until the launch's timeout). Every job runs
 as torchtitan.train's `main` runs it: its own config, Trainer, process group and seed; torchtitan's
 seed-checkpoint mode too. Each job's log starts with a "run_jobs: job N of M" line. What a job
 shares with the one before is the process: imports, the inductor cache on disk, and memory already

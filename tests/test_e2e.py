@@ -4,7 +4,8 @@ All runs start from one seed checkpoint (torchtitan's --checkpoint.create_seed_c
 1 rank, TP=2 and FSDP=2 train the same weights on the same global batch. The `runs` share two
 launches (conftest's train_runs: one per number of ranks); the compiled runs have launches of their
 own, since what they check is about a launch. The bad inputs that stop any layout are failing jobs of
-one 1-rank launch; pipeline parallelism, which needs 2 ranks to reach the plugin's check, has its own.
+one 1-rank launch; pipeline parallelism, which needs 2 ranks to reach the plugin's check, is a failing
+job of the 2-rank launch.
 """
 
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import CONFIG, check, job_logs, read_checkpoint, run, scalars, torchrun, torchrun_jobs, train, train_runs
+from conftest import CONFIG, check, job_logs, read_checkpoint, run, scalars, torchrun_jobs, train, train_runs
 from plugin.model.reference import reference_entries
 
 STEPS = 3
@@ -32,11 +33,16 @@ RUNS = {
 }
 
 
+# on 1 rank, torchtitan's check that the degrees multiply to the world size comes before the plugin's
+PIPELINE = ["--job.config_file", CONFIG, "--training.steps", "1", "--parallelism.pipeline_parallel_degree", "2",
+            "--parallelism.tensor_parallel_degree", "1"]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, seed_checkpoint) -> dict[str, Path]:
-    """Two launches: single and padded on 1 rank, tp2 and fsdp2 on 2."""
+    """Two launches: single and padded on 1 rank, tp2 and fsdp2 on 2, then pipeline parallelism, which must fail."""
     return train_runs(tmp_path_factory, {name: run(seed_checkpoint, n, *extra, steps=STEPS)
-                                         for name, (n, extra) in RUNS.items()})
+                                         for name, (n, extra) in RUNS.items()}, failing={"pipeline": (2, PIPELINE)})
 
 
 @pytest.mark.parametrize("name", ["tp2", "fsdp2"])
@@ -53,7 +59,7 @@ def test_tensorboard_has_grpo_and_memory_tags(runs, name):
 
 
 def test_same_losses_across_parallelisms(runs):
-    tb = {name: scalars(dump) for name, dump in runs.items()}
+    tb = {name: scalars(runs[name]) for name in RUNS}
     single = tb["single"]
     assert all(len(t["loss_metrics/global_avg_loss"]) == STEPS for t in tb.values())
     for name in ("tp2", "fsdp2", "padded"):
@@ -145,10 +151,6 @@ def test_bad_input_stops_torchrun_at_start_up(bad_input_launch, overrides, messa
     assert message in bad_input_launch.stdout + bad_input_launch.stderr
 
 
-@pytest.mark.slow
-def test_pipeline_parallelism_stops_torchrun_at_start_up():
-    # a launch of its own, on 2 ranks: on 1, torchtitan's check that the degrees multiply to the world size comes first
-    proc = torchrun(2, CONFIG, "--training.steps", "1", "--parallelism.pipeline_parallel_degree", "2",
-                    "--parallelism.tensor_parallel_degree", "1")
-    assert proc.returncode != 0
-    assert "pipeline parallelism is not supported" in proc.stdout + proc.stderr
+def test_pipeline_parallelism_stops_torchrun_at_start_up(runs):
+    log = runs["pipeline"].read_text()
+    assert "failed, as it should" in log and "pipeline parallelism is not supported" in log

@@ -5,7 +5,7 @@ and counted."""
 import pytest
 import torch
 
-from conftest import CONFIG, build_model, check, torchrun, torchrun_jobs
+from conftest import CONFIG, build_model, check, job_logs, torchrun_jobs
 from plugin.data.batch import Rollouts
 from plugin.runtime.guard import NonFiniteError
 from plugin.scoring.loss import build_grpo_loss
@@ -112,46 +112,55 @@ def first_run(dump, seed, *extra) -> list[str]:
             "--parallelism.tensor_parallel_degree", "1", *extra]
 
 
+def resume(dump, seed) -> dict:
+    """The run of `dump` continued to step 4 from its step-2 checkpoint, as a job that must fail."""
+    return {"argv": ["--job.config_file", CONFIG, "--job.dump_folder", str(dump), "--training.steps", "4",
+                     "--checkpoint.enable", "--checkpoint.interval", "1000", "--checkpoint.initial_load_path", str(seed),
+                     "--parallelism.tensor_parallel_degree", "1"], "fails": True}
+
+
 @pytest.fixture(scope="module")
-def first_runs(tmp_path_factory, seed_checkpoint):
-    """Both tests' 2-step runs, in one launch. Each test's failing resume has a launch of its own: it is
-    expected to fail, and its output is read for the message."""
-    dumps = {"model_only": tmp_path_factory.mktemp("model_only"), "full": tmp_path_factory.mktemp("full")}
+def resumes(tmp_path_factory, seed_checkpoint) -> dict:
+    """Three 2-step runs in one launch (one saved model-only, as torchtitan does by default, two in full); one full
+    step folder then loses half its largest data file, the other its .metadata. The three resumes, which must
+    fail, share a second launch: it follows the first, so no state of a first run is left in its process. For
+    each: (its checkpoint folder, its file snapshot before the resume, after it, the resume's log); and the name
+    of the file cut short."""
+    dumps = {name: tmp_path_factory.mktemp(name) for name in ("model_only", "truncated", "bad_metadata")}
     check(torchrun_jobs(1, [
-        first_run(dumps["model_only"], seed_checkpoint),  # torchtitan's default: the last step is saved model-only
-        first_run(dumps["full"], seed_checkpoint, "--checkpoint.no-last-save-model-only"),
+        first_run(dumps["model_only"], seed_checkpoint),
+        *(first_run(dumps[name], seed_checkpoint, "--checkpoint.no-last-save-model-only")
+          for name in ("truncated", "bad_metadata")),
     ]))
-    return dumps
-
-
-def resume(dump, seed):
-    return torchrun(1, CONFIG, "--job.dump_folder", str(dump), "--training.steps", "4", "--checkpoint.enable",
-                    "--checkpoint.interval", "1000", "--checkpoint.initial_load_path", str(seed),
-                    "--parallelism.tensor_parallel_degree", "1")
-
-
-def test_resuming_a_model_only_step_says_how_and_touches_nothing(first_runs, seed_checkpoint):
-    dump = first_runs["model_only"]
-    before = snapshot(dump / "checkpoint")
-    proc = resume(dump, seed_checkpoint)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0
-    assert f"{dump / 'checkpoint' / 'step-2'} holds only the model" in out
-    assert "last_save_model_only = false" in out and "initial_load_path" in out and "load_step" in out
-    assert "Missing key in checkpoint" not in out
-    assert snapshot(dump / "checkpoint") == before
-
-
-def test_truncated_checkpoint_names_the_step_folder_and_touches_nothing(first_runs, seed_checkpoint):
-    dump = first_runs["full"]
-    step = dump / "checkpoint" / "step-2"
+    step = dumps["truncated"] / "checkpoint" / "step-2"
     data = max(step.glob("*.distcp"), key=lambda p: p.stat().st_size)
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
-    before = snapshot(dump / "checkpoint")
-    proc = resume(dump, seed_checkpoint)
-    assert proc.returncode != 0
-    assert f"{step}: {data.name} is missing or truncated" in proc.stdout + proc.stderr
-    assert snapshot(dump / "checkpoint") == before
-    (step / ".metadata").write_bytes(b"not a pickle")
-    proc = resume(dump, seed_checkpoint)
-    assert proc.returncode != 0 and f"{step}: the checkpoint's .metadata cannot be read" in proc.stdout + proc.stderr
+    (dumps["bad_metadata"] / "checkpoint" / "step-2" / ".metadata").write_bytes(b"not a pickle")
+    before = {name: snapshot(dump / "checkpoint") for name, dump in dumps.items()}
+    proc = torchrun_jobs(1, [resume(dump, seed_checkpoint) for dump in dumps.values()])
+    check(proc)  # each job failed, as it should
+    logs = job_logs(proc)
+    assert len(logs) == len(dumps), proc.stdout[-4000:]
+    out = {name: (dump / "checkpoint", before[name], snapshot(dump / "checkpoint"), log)
+           for (name, dump), log in zip(dumps.items(), logs)}
+    return {**out, "truncated_file": data.name}
+
+
+def test_resuming_a_model_only_step_says_how_and_touches_nothing(resumes):
+    folder, before, after, log = resumes["model_only"]
+    assert "failed, as it should" in log
+    assert f"{folder / 'step-2'} holds only the model" in log
+    assert "last_save_model_only = false" in log and "initial_load_path" in log and "load_step" in log
+    assert "Missing key in checkpoint" not in log
+    assert after == before
+
+
+def test_truncated_checkpoint_names_the_step_folder_and_touches_nothing(resumes):
+    folder, before, after, log = resumes["truncated"]
+    assert "failed, as it should" in log
+    assert f"{folder / 'step-2'}: {resumes['truncated_file']} is missing or truncated" in log
+    assert after == before
+    folder, before, after, log = resumes["bad_metadata"]
+    assert "failed, as it should" in log
+    assert f"{folder / 'step-2'}: the checkpoint's .metadata cannot be read" in log
+    assert after == before

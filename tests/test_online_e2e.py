@@ -62,7 +62,8 @@ MU = ("--online.num_iterations", "2", "--optimizer.lr", "1e-2", "--lr_scheduler.
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, seed_checkpoint, prompts) -> dict[str, Path]:
-    """Every run of this file, in one launch per rank count (3 launches)."""
+    """Every run of this file, in one launch per rank count (3 launches); the bad inputs' runs, which must fail,
+    last in the 1-rank launch, each with its log in a file (`bad_input_logs`)."""
     dumps = {name: tmp_path_factory.mktemp(name.replace(" ", "_").replace(",", "").replace("=", ""))
              for name in [*LAYOUTS, "mu_straight", "mu_split", "variants", "eval", "bf16"]}
     jobs = {1: [], 2: [], 4: []}
@@ -77,8 +78,19 @@ def runs(tmp_path_factory, seed_checkpoint, prompts) -> dict[str, Path]:
     jobs[2].append(eval_job(dumps["eval"], prompts))
     jobs[2].append(job(dumps["mu_split"], seed_checkpoint, prompts, MU_STEPS, *MU))
     jobs[4].append(job(dumps["bf16"], seed_checkpoint, prompts, 2, *BF16))
+    jobs[1] += [{"argv": ["--job.config_file", CONFIG, "--job.dump_folder", str(tmp_path_factory.mktemp("bad_input")),
+                          "--training.steps", "1", "--training.dataset_path", str(prompts),
+                          "--parallelism.tensor_parallel_degree", "1", "--checkpoint.no-enable",  # no warm-up weights
+                          *SMALL, *flags], "fails": True} for flags, _ in BAD_INPUTS]
     for nproc, argvs in jobs.items():
-        check(torchrun_jobs(nproc, argvs, env=ENV))
+        proc = torchrun_jobs(nproc, argvs, env=ENV)
+        check(proc)
+        if nproc == 1:
+            logs = job_logs(proc)
+            assert len(logs) == len(argvs), proc.stdout[-4000:]
+            for i, log in enumerate(logs[-len(BAD_INPUTS):]):
+                dumps[f"bad_input{i}"] = tmp_path_factory.mktemp("bad_input_log") / "job.log"
+                dumps[f"bad_input{i}"].write_text(log)
     return dumps
 
 
@@ -154,17 +166,9 @@ BAD_INPUTS = [
 
 
 @pytest.fixture(scope="module")
-def bad_input_logs(tmp_path_factory, prompts) -> list[str]:
-    """Each bad input's run, in one launch: each must stop with an error; the log of each."""
-    jobs = [{"argv": ["--job.config_file", CONFIG, "--job.dump_folder", str(tmp_path_factory.mktemp("bad_input")),
-                      "--training.steps", "1", "--training.dataset_path", str(prompts),
-                      "--parallelism.tensor_parallel_degree", "1", "--checkpoint.no-enable",  # no warm-up weights
-                      *SMALL, *flags], "fails": True} for flags, _ in BAD_INPUTS]
-    proc = torchrun_jobs(1, jobs, env=ENV)
-    check(proc)
-    logs = job_logs(proc)
-    assert len(logs) == len(BAD_INPUTS), proc.stdout[-4000:]
-    return logs
+def bad_input_logs(runs) -> list[str]:
+    """Each bad input's log: its run, which must stop with an error, is a job of the 1-rank launch of `runs`."""
+    return [runs[f"bad_input{i}"].read_text() for i in range(len(BAD_INPUTS))]
 
 
 @pytest.mark.parametrize("flags, message", BAD_INPUTS)
