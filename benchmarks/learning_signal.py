@@ -16,7 +16,7 @@ Writes benchmarks/results/learning_signal.csv and .png and prints the figures.
 The online example is measured by exact match instead: `--accuracy CHECKPOINT...` prints, per
 checkpoint, the share of right answers (plugin.example.reward) to data/compare_heldout.jsonl's
 prompts, greedy and sampled at temperature 1 (8 draws each), and the share of prompts whose draws
-mix right and wrong answers, as JSON. Sampling has no KV cache: about 40 s for 256 prompts on 2 cores.
+mix right and wrong answers, as JSON, drawn with the plugin's KV-cache sampler.
 `--online` runs the online example itself: the warm-up (train_configs/online_warmup_cpu.toml), then
 train_configs/online_cpu.toml from its weights with a checkpoint every `--every` steps, and writes
 each checkpoint's accuracy and the train reward per step to benchmarks/results/online_learning.csv
@@ -124,54 +124,35 @@ def heldout_margins(model: torch.nn.Module, path: Path = HELDOUT) -> np.ndarray:
     return (mean(right) - mean(~right)).numpy()
 
 
-@torch.no_grad()
-def generate(model: torch.nn.Module, prompts: torch.Tensor, max_new_tokens: int, temperature: float,
-             eos_id: int, generator: torch.Generator) -> list[list[int]]:
-    """A completion per row of `prompts` ([n, P], one length), greedy if temperature is 0, cut before its first EOS."""
-    seqs = prompts  # no KV cache: the whole sequence again per token, cheap at these lengths
-    for _ in range(max_new_tokens):
-        logits = model(seqs)[:, -1].double()  # [n, V]
-        if temperature == 0:
-            token = logits.argmax(-1)
-        else:
-            token = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator)[:, 0]
-        seqs = torch.cat([seqs, token[:, None]], dim=1)
-        if (seqs[:, prompts.shape[1]:] == eos_id).any(1).all():
-            break
-    rows = seqs[:, prompts.shape[1]:].tolist()
-    return [row[: row.index(eos_id)] if eos_id in row else row for row in rows]
-
-
 def heldout_accuracy(model: torch.nn.Module, path: Path = COMPARE_HELDOUT, samples: int = 8,
                      temperature: float = 1.0, max_new_tokens: int = 8, seed: int = 0) -> dict:
     """Exact-match accuracy (plugin.example.reward) on a prompts file: greedy, and `samples` draws at `temperature`.
 
+    The completions come from the plugin's KV-cache sampler (what online training and its evaluation draw
+    with), every prompt's rows in one call; draw j of prompt i has key seed * 2^32 + i * samples + j.
     `mixed` is the fraction of prompts whose draws hold both a right and a wrong answer: the
     groups that would give GRPO a non-zero advantage.
     """
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
     from plugin.example import reward
+    from plugin.generation.sampler import build_sampler, generation_mode
 
     tokenizer = HuggingFaceTokenizer(str(REPO / "plugin/assets/tokenizer"))
-    generator = torch.Generator().manual_seed(seed)
     prompts = [json.loads(line)["prompt"] for line in open(path, encoding="utf-8")]
     encoded = [tokenizer.encode(p, add_bos=True) for p in prompts]
 
-    def rewards(rows: list[int], n: int, temperature: float) -> np.ndarray:
-        """[len(rows), n]: the rewards of n completions of each prompt in `rows`."""
-        batch = torch.tensor([encoded[i] for i in rows]).repeat_interleave(n, dim=0)  # [len(rows) * n, P]
-        completions = generate(model, batch, max_new_tokens, temperature, tokenizer.eos_id, generator)
-        scores = [reward(prompts[rows[j // n]], tokenizer.decode(c)) for j, c in enumerate(completions)]
-        return np.array(scores).reshape(len(rows), n)
+    def rewards(n: int, temperature: float) -> np.ndarray:
+        """[prompts, n]: the rewards of n completions of each prompt, cut before EOS."""
+        sampler = build_sampler(model, kv_cache=True, max_new_tokens=max_new_tokens, stop_ids=[tokenizer.eos_id],
+                                temperature=temperature, pad_id=tokenizer.eos_id)
+        with generation_mode(model):
+            done = sampler.generate([ids for ids in encoded for _ in range(n)],
+                                    [(seed << 32) + j for j in range(len(encoded) * n)]).completions
+        cut = [c[: c.index(tokenizer.eos_id)] if tokenizer.eos_id in c else c for c in done]
+        return np.array([reward(prompts[j // n], tokenizer.decode(c)) for j, c in enumerate(cut)]).reshape(-1, n)
 
-    by_length: dict[int, list[int]] = {}  # prompts of one token length decode as one batch
-    for i, ids in enumerate(encoded):
-        by_length.setdefault(len(ids), []).append(i)
-    greedy, drawn = np.zeros(len(prompts)), np.zeros((len(prompts), samples))
-    for rows in by_length.values():
-        greedy[rows] = rewards(rows, 1, 0.0)[:, 0]
-        drawn[rows] = rewards(rows, samples, temperature)
+    greedy, drawn = rewards(1, 0.0)[:, 0], rewards(samples, temperature)
     return {"prompts": len(prompts), "greedy": float(greedy.mean()), "sampled": float(drawn.mean()),
             "mixed": float(np.mean((drawn.min(1) == 0) & (drawn.max(1) == 1))), "temperature": temperature,
             "samples": samples}
