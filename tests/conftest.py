@@ -85,6 +85,17 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.slow)
 
 
+def _cmdline(pid: int) -> list[bytes] | None:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:  # gone
+        return None
+
+
+def _is_torchrun(cmdline: list[bytes]) -> bool:
+    return b"torch.distributed.run" in cmdline or any(arg.endswith(b"/torchrun") for arg in cmdline[:2])
+
+
 class LaunchTally:
     """Seconds and multi-rank launches per test file, printed at the end of every run (docs/architecture.md's table).
 
@@ -94,35 +105,47 @@ class LaunchTally:
     are made.
     """
 
-    def __init__(self):
+    def __init__(self, is_agent=None):
+        self.is_agent = is_agent or _is_torchrun  # a command line -> whether it is a torchrun agent's
         self.seconds = defaultdict(float)
         self.launches = defaultdict(lambda: defaultdict(int))  # file -> {"torchrun": n, "spawned": n}
         self.running = defaultdict(int)  # the running test's launches so far
-        self._seen: set[int] = set()
+        self._seen: set[tuple[int, str]] = set()
         self._thread = None
+        self._stop = threading.Event()
 
     def watch(self):
         if self._thread is None:  # only in a process that runs tests
             self._thread = threading.Thread(target=self._watch, daemon=True)
             self._thread.start()
 
+    def stop(self):
+        self._stop.set()
+        self._thread.join()
+
     def _watch(self):
         me = os.getpid()
-        while True:
-            time.sleep(0.25)
-            parents = {pid: int(fields[1]) for pid, fields in proc_stats().items()}
-            for pid in parents.keys() - self._seen:
+        while not self._stop.wait(0.25):
+            stats = proc_stats()
+            parents = {pid: int(fields[1]) for pid, fields in stats.items()}
+            for pid, fields in stats.items():
+                # a pid with its start time: pids come round again in a long run (pid_max is 32768 here)
+                key = (pid, fields[19])
+                if key in self._seen:
+                    continue
                 up = parents.get(pid)
                 while up not in (None, 0, 1, me):
                     up = parents.get(up)
                 if up != me:
                     continue
-                try:
-                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-                except OSError:
+                cmdline, parent = _cmdline(pid), _cmdline(parents[pid])
+                # between fork and exec a child shows its parent's command line: a torchrun agent's rank would pass
+                # for an agent (seen: 4 extra launches in a run), and an agent forked by pytest for pytest. Look again
+                # once it differs.
+                if cmdline is None or cmdline == parent:
                     continue
-                self._seen.add(pid)
-                if b"torch.distributed.run" in cmdline or any(arg.endswith(b"/torchrun") for arg in cmdline[:2]):
+                self._seen.add(key)
+                if self.is_agent(cmdline):
                     self.running["torchrun"] += 1
 
     def add(self, report):

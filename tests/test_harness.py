@@ -1,12 +1,16 @@
 """The multi-rank harness itself (conftest.run_ranks): a rank that crashes while it works fails the test, naming
-the rank and the signal, with its Python stack printed; nothing retries it."""
+the rank and the signal, with its Python stack printed; nothing retries it. And the launch tally counts each
+torchrun agent once."""
 
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
-from conftest import run_ranks
+from conftest import LaunchTally, run_ranks
 
 
 def _rank_1_crashes(rank, world_size):
@@ -36,3 +40,28 @@ def test_a_long_traceback_fails_the_test():
         run_ranks(2, _rank_1_raises_at_length)
     message = str(failure.value)
     assert "--- rank 1 ---" in message and "ValueError: " + "x" * 200_000 in message
+
+
+# a stand-in for a torchrun agent (its command line holds FAKE_AGENT as one argument; the suite's own tally, which
+# looks for torchrun, does not count it) that forks a child which keeps the agent's command line for a second before
+# it execs, as a rank does between fork and exec
+FAKE_AGENT = "fake.torchrun.agent"
+FORKING_AGENT = textwrap.dedent("""
+    import os, sys, time
+    child = os.fork()
+    if child == 0:
+        time.sleep(1.0)
+        os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(0.5)"])
+    os.waitpid(child, 0)
+""")
+
+
+def test_the_tally_counts_an_agent_once_not_its_children_before_they_exec():
+    tally = LaunchTally(is_agent=lambda cmdline: FAKE_AGENT.encode() in cmdline)
+    tally.watch()
+    try:
+        subprocess.run([sys.executable, "-c", FORKING_AGENT, FAKE_AGENT], check=True, timeout=60)
+        subprocess.run([sys.executable, "-c", "import time; time.sleep(0.6)", FAKE_AGENT], check=True, timeout=60)
+    finally:
+        tally.stop()
+    assert tally.running["torchrun"] == 2
