@@ -14,7 +14,13 @@ of freed blocks (a late write into one is caught, not absorbed by a reuse) and `
 objects through malloc too); 80-90x slower than native (the cached workload: 407 s a rank against 5.2 s). Each
 rank's errors are counted by kind, without glibc's dynamic loader's reads past a string (frames in `dl-*.c`, a
 known false positive of memcheck), and appended to benchmarks/results/memcheck_sampler.csv with the table; the logs
-stay under `--out`. `--native` runs the same workload without valgrind (a check of the launcher).
+stay under `--out`. `--native` runs the same workload without valgrind (a check of the launcher). `--loop SECONDS`
+runs it natively, over and over in each rank's one process until SECONDS have passed, with glibc's heap checks on
+(`MALLOC_CHECK_=3`, freed and new blocks filled by `MALLOC_PERTURB_`): a race between threads that memcheck's
+one-thread-at-a-time scheduling cannot show would have the workload's whole run to happen in; a rank's output
+holding glibc's or Python's fatal error message counts as an error.
+
+    python benchmarks/memcheck_sampler.py --workload cached --threads 2 --loop 600
 """
 
 import argparse
@@ -38,8 +44,8 @@ ERROR = re.compile(r"^==\d+== (Invalid (?:read|write|free\(\) / delete / delete\
                    r"Mismatched free[^\n]*)\n((?:==\d+==    (?:at|by) [^\n]*\n)+)", re.M)
 
 
-def rank_main(workload: str) -> None:
-    """One rank's work (RANK, WORLD_SIZE, MASTER_* from the launcher)."""
+def rank_main(workload: str, loop: float = 0) -> None:
+    """One rank's work (RANK, WORLD_SIZE, MASTER_* from the launcher); with `loop`, again until `loop` seconds passed."""
     import torch
     import torch.distributed as dist
 
@@ -48,18 +54,23 @@ def rank_main(workload: str) -> None:
     dist.init_process_group("gloo")
     import test_sampler as ts
 
-    start = time.perf_counter()
-    if workload == "dtypes":
-        ts._dtypes((2, 1))
-    for name in ("grpo_llama3", "grpo_qwen3"):
-        model = ts.build(name, 2, 1)
-        ts.draw(model, [], True)
+    start, runs = time.perf_counter(), 0
+    while True:
+        if workload == "dtypes":
+            ts._dtypes((2, 1))
+        for name in ("grpo_llama3", "grpo_qwen3"):
+            model = ts.build(name, 2, 1)
+            ts.draw(model, [], True)
+            if workload == "cached":
+                ts.draw(model, [], True, turns=ts.ToolLike())
         if workload == "cached":
-            ts.draw(model, [], True, turns=ts.ToolLike())
-    if workload == "cached":
-        ts._sharded_sampling(2)
-    dist.barrier()
-    print(f"rank {dist.get_rank()}: {workload} done in {time.perf_counter() - start:.1f} s", flush=True)
+            ts._sharded_sampling(2)
+        runs += 1
+        done = torch.tensor([time.perf_counter() - start >= loop], dtype=torch.int)
+        dist.all_reduce(done)  # both ranks stop after the same run
+        if done.item():
+            break
+    print(f"rank {dist.get_rank()}: {workload} done {runs} time(s) in {time.perf_counter() - start:.1f} s", flush=True)
     dist.destroy_process_group()
 
 
@@ -79,23 +90,28 @@ def main() -> None:
     ap.add_argument("--workload", choices=["dtypes", "cached"], default="cached")
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads a rank (2: the layout CI crashed in)")
     ap.add_argument("--native", action="store_true", help="without valgrind")
+    ap.add_argument("--loop", type=float, default=0, metavar="SECONDS",
+                    help="natively, the workload again and again for SECONDS, glibc's heap checks on")
     ap.add_argument("--out", type=Path, default=RESULTS / "tmp" / "memcheck_sampler")
     ap.add_argument("--rank", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rank is not None:
-        return rank_main(args.workload)
+        return rank_main(args.workload, args.loop)
+    args.native = args.native or args.loop > 0
     args.out.mkdir(parents=True, exist_ok=True)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
-           "MEMCHECK_THREADS": str(args.threads), "OMP_WAIT_POLICY": "PASSIVE", "PYTHONMALLOC": "malloc"}
+           "MEMCHECK_THREADS": str(args.threads), "OMP_WAIT_POLICY": "PASSIVE", "PYTHONMALLOC": "malloc",
+           **({"MALLOC_CHECK_": "3", "MALLOC_PERTURB_": "165"} if args.loop else {})}
     procs, logs = [], []
     start = time.perf_counter()
     for rank in range(2):
         logs.append(args.out / f"{args.workload}-threads{args.threads}-rank{rank}.valgrind.log")
         wrapper = [] if args.native else [*MEMCHECK, f"--log-file={logs[-1]}"]
-        cmd = [*wrapper, sys.executable, __file__, "--workload", args.workload, "--rank", str(rank)]
+        cmd = [*wrapper, sys.executable, __file__, "--workload", args.workload, "--rank", str(rank),
+               "--loop", str(args.loop)]
         procs.append(subprocess.Popen(cmd, cwd=REPO, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                                       stdout=open(args.out / f"{args.workload}-rank{rank}.out", "w"),
                                       stderr=subprocess.STDOUT))
@@ -104,12 +120,18 @@ def main() -> None:
     rows = []
     for rank, (code, log) in enumerate(zip(codes, logs)):
         kinds = {} if args.native else errors_in(log.read_text())
+        out = (args.out / f"{args.workload}-rank{rank}.out").read_text(errors="replace")
+        fatal = [line for line in out.splitlines() if "malloc" in line or "Fatal Python error" in line
+                 or "double free" in line or "corrupted" in line]
+        kinds.update({line.strip()[:80]: 1 for line in fatal[:3]})
+        runs = re.search(r"done (\d+) time", out)
+        tool = f"loop x{runs.group(1) if runs else '?'}" if args.loop else "native" if args.native else "memcheck"
         rows.append({"date": time.strftime("%Y-%m-%d"), "workload": args.workload, "threads": args.threads,
-                     "tool": "native" if args.native else "memcheck", "rank": rank, "exit_code": code,
+                     "tool": tool, "rank": rank, "exit_code": code,
                      "seconds": f"{seconds:.0f}",
                      "errors": "; ".join(f"{k}: {n}" for k, n in kinds.items()) or "none"})
         print(rows[-1])
-    if not args.native:
+    if not args.native or args.loop:
         path = RESULTS / "memcheck_sampler.csv"
         old = list(csv.DictReader(open(path, newline=""))) if path.exists() else []
         results_md.write_csv(path, old + rows, list(rows[0]), **TABLES["memcheck_sampler"])

@@ -415,7 +415,9 @@ def train_runs(tmp_path_factory, runs: dict[str, Run], resumes: dict[str, Run] |
     for (nproc, env), jobs in launches.items():
         proc = torchrun_jobs(nproc, [job for _, job in jobs], env=dict(env))
         check(proc)
-        for (name, job), log in zip(jobs, job_logs(proc)):
+        logs = job_logs(proc)
+        assert len(logs) == len(jobs), proc.stdout[-4000:]
+        for (name, job), log in zip(jobs, logs):
             if isinstance(job, dict):
                 dumps[name] = tmp_path_factory.mktemp(name) / "job.log"
                 dumps[name].write_text(log)
