@@ -42,6 +42,9 @@ MEMCHECK = ["valgrind", "--tool=memcheck", "--undef-value-errors=no", "--leak-ch
             "--num-callers=40", "--freelist-vol=400000000"]
 ERROR = re.compile(r"^==\d+== (Invalid (?:read|write|free\(\) / delete / delete\[\] / realloc\(\))[^\n]*|"
                    r"Mismatched free[^\n]*)\n((?:==\d+==    (?:at|by) [^\n]*\n)+)", re.M)
+# glibc's heap-check aborts ("malloc(): unaligned tcache chunk detected", "double free or corruption (out)", ...) and
+# Python's fatal errors, as a rank's output shows them
+FATAL = re.compile(r"^(?:(?:malloc|free|realloc|munmap_chunk)\(\)|double free|corrupted |Fatal Python error).*$", re.M)
 
 
 def rank_main(workload: str, loop: float = 0) -> None:
@@ -121,8 +124,7 @@ def main() -> None:
     for rank, (code, log) in enumerate(zip(codes, logs)):
         kinds = {} if args.native else errors_in(log.read_text())
         out = (args.out / f"{args.workload}-rank{rank}.out").read_text(errors="replace")
-        fatal = [line for line in out.splitlines() if "malloc" in line or "Fatal Python error" in line
-                 or "double free" in line or "corrupted" in line]
+        fatal = FATAL.findall(out)
         kinds.update({line.strip()[:80]: 1 for line in fatal[:3]})
         runs = re.search(r"done (\d+) time", out)
         tool = f"loop x{runs.group(1) if runs else '?'}" if args.loop else "native" if args.native else "memcheck"

@@ -102,6 +102,16 @@ def test_memcheck_counts_errors_but_the_dynamic_loaders_false_positives():
     assert errors_in("==7== ERROR SUMMARY: 0 errors from 0 contexts\n") == {}
 
 
+def test_memcheck_loop_finds_glibcs_and_pythons_fatal_lines_only():
+    from memcheck_sampler import FATAL
+
+    out = ("rank 1: cached done 3 time(s) in 9.1 s\nmalloc(): unaligned tcache chunk detected\n"
+           "Fatal Python error: Aborted\n[titan] a log line that mentions malloc and corrupted data\n"
+           "double free or corruption (out)\n")
+    assert FATAL.findall(out) == ["malloc(): unaligned tcache chunk detected", "Fatal Python error: Aborted",
+                                  "double free or corruption (out)"]
+
+
 def test_run_job_sees_a_sigkill_as_oom_and_kills_on_timeout():
     code = f"import os, signal; os.kill(os.getpid(), {int(signal.SIGKILL)})"
     returncode, _ = job_status.run_job([sys.executable, "-c", code])
