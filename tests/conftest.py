@@ -265,10 +265,10 @@ def torchrun(nproc: int, config: str, *overrides: str, env: dict | None = None, 
 
 
 def torchrun_jobs(nproc: int, jobs: list, env: dict | None = None, timeout: int = 600):
-    """Several jobs (each the arguments `-m torchtitan.train` would take, or {"argv": [...], "fails": True}: on
-    several ranks, one that every rank stops before its first collective) one after another in one launch
-    (tests/run_jobs.py): the launch's start-up, most of a short run's time, is paid once. `timeout` is per job;
-    `job_logs` cuts rank 0's output into the jobs' logs."""
+    """Several jobs (each the arguments `-m torchtitan.train` would take, or {"argv": [...], "fails": True, "nproc": K}:
+    `fails` on several ranks, one that every rank stops before its first collective; `nproc`, a job on the first K
+    ranks alone) one after another in one launch (tests/run_jobs.py): the launch's start-up, most of a short run's
+    time, is paid once. `timeout` is per job; `job_logs` cuts rank 0's output into the jobs' logs."""
     path = Path(tempfile.mkdtemp(prefix="jobs-")) / "jobs.json"
     path.write_text(json.dumps(jobs))
     try:
@@ -401,26 +401,34 @@ def run(seed: Path, nproc: int, *extra: str, steps: int = 3, config: str = CONFI
 
 
 def train_runs(tmp_path_factory, runs: dict[str, Run], resumes: dict[str, Run] | None = None,
-               failing: dict[str, tuple[int, list[str]]] | None = None) -> dict[str, Path]:
-    """Every run's dump folder; runs on the same number of ranks with the same environment share one launch.
-    `resumes`: for a run's name, a run that continues it from its last checkpoint (its dump), last in the launch.
-    `failing`: for a name, (ranks, `-m torchtitan.train` arguments) of a job that must stop with an error, last in
-    the launch of its rank count with no environment added; its value is then a file holding that job's rank-0 log."""
+               failing: dict[str, tuple[int, list[str]]] | None = None, one_rank_apart: bool = False) -> dict[str, Path]:
+    """Every run's dump folder; runs on the same number of ranks with the same environment share one launch, and the
+    1-rank runs go last in the smallest launch of several ranks with their environment, on its rank 0 alone, where
+    there is one (tests/run_jobs.py's `nproc`: a launch's start-up is paid once), unless `one_rank_apart`.
+    `resumes`: for a run's name, a run that continues it from its last checkpoint (its dump), after it in the launch.
+    `failing`: for a name, (ranks, `-m torchtitan.train` arguments) of a job that must stop with an error, after the
+    runs of its rank count with no environment added; its value is then a file holding that job's rank-0 log, and
+    beside it `stderr.log`, the launch's stderr (where torchtitan's parser writes a bad value's error)."""
     dumps = {name: tmp_path_factory.mktemp(name) for name in runs}
     launches = defaultdict(list)
     for name, r in [*runs.items(), *(resumes or {}).items()]:
-        launches[r.nproc, r.env].append((name, ["--job.config_file", r.config, *r.overrides(dumps[name])]))
+        launches[r.nproc, r.env].append((name, {"argv": ["--job.config_file", r.config, *r.overrides(dumps[name])]}))
     for name, (nproc, argv) in (failing or {}).items():
         launches[nproc, ()].append((name, {"argv": argv, "fails": True}))
+    for env in {env for nproc, env in launches if nproc == 1 and not one_rank_apart}:
+        wider = sorted(nproc for nproc, e in launches if e == env and nproc > 1)
+        if wider:
+            launches[wider[0], env] += [(name, {**job, "nproc": 1}) for name, job in launches.pop((1, env))]
     for (nproc, env), jobs in launches.items():
         proc = torchrun_jobs(nproc, [job for _, job in jobs], env=dict(env))
         check(proc)
         logs = job_logs(proc)
         assert len(logs) == len(jobs), proc.stdout[-4000:]
         for (name, job), log in zip(jobs, logs):
-            if isinstance(job, dict):
+            if job.get("fails"):
                 dumps[name] = tmp_path_factory.mktemp(name) / "job.log"
                 dumps[name].write_text(log)
+                (dumps[name].parent / "stderr.log").write_text(proc.stderr)
     return dumps
 
 

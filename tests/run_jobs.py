@@ -3,9 +3,12 @@
     torchrun --nproc_per_node N tests/run_jobs.py JOBS.json
 
 JOBS.json is a list of jobs, each the argument list `-m torchtitan.train` would be given, or
-{"argv": [...], "fails": true} for a job that must stop with an error: its traceback is logged and
-the next job runs. On several ranks, every rank must stop at the same check before its first
-collective (a rank that fails alone leaves its peers waiting until the launch's timeout). Every job runs
+{"argv": [...], "fails": true, "nproc": K} (both keys optional). A job that `fails` must stop with an error: its
+traceback is logged and the next job runs. On several ranks, every rank must stop at the same check before its
+first collective (a rank that fails alone leaves its peers waiting until the launch's timeout). A job with `nproc`
+runs on the launch's first K ranks alone, as a launch of K ranks would run it (its own process group of K, and
+WORLD_SIZE, LOCAL_WORLD_SIZE and ROLE_WORLD_SIZE saying K); the other ranks go on to the next job,
+whose process group waits for them all. Every job runs
 as torchtitan.train's `main` runs it: its own config, Trainer, process group and seed; torchtitan's
 seed-checkpoint mode too. Each job's log starts with a "run_jobs: job N of M" line. What a job
 shares with the one before is the process: imports, the inductor cache on disk, and memory already
@@ -15,8 +18,10 @@ Why: a launch spends most of a short test run starting up (seen here: 11 of 16 s
 2-rank run, the two ranks importing torchtitan on 2 cores), so one launch checks several runs.
 """
 
+import contextlib
 import gc
 import json
+import os
 import sys
 import time
 import traceback
@@ -59,6 +64,23 @@ def _init_for(job: int):
     return init_process_group
 
 
+# torchrun's variables that count the launch's ranks (on one node; GROUP_WORLD_SIZE counts nodes); a job on fewer
+# ranks sees its own count
+SIZES = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "ROLE_WORLD_SIZE")
+
+
+@contextlib.contextmanager
+def ranks(nproc: int | None):
+    """The environment of a launch of `nproc` ranks (this rank among its first `nproc`), for the job's duration."""
+    saved = {k: os.environ[k] for k in SIZES if k in os.environ}
+    if nproc is not None:
+        os.environ.update({k: str(nproc) for k in saved})
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
 def run(job: int, argv: list[str]) -> None:
     dist.init_process_group = _init_for(job)
     try:
@@ -87,12 +109,19 @@ def main() -> None:
     torchtitan.train.time = _NoSleep()
     init_logger()
     jobs = json.loads(open(sys.argv[1]).read())
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     for job, spec in enumerate(jobs):
-        argv, fails = (spec["argv"], spec["fails"]) if isinstance(spec, dict) else (spec, False)
+        spec = spec if isinstance(spec, dict) else {"argv": spec}
+        argv, fails, nproc = spec["argv"], spec.get("fails", False), spec.get("nproc")
+        assert nproc is None or 1 <= nproc <= world_size, f"job {job + 1}: nproc {nproc} in a launch of {world_size}"
         start = time.perf_counter()
-        logger.info(f"run_jobs: job {job + 1} of {len(jobs)}: {' '.join(argv)}")
+        logger.info(f"run_jobs: job {job + 1} of {len(jobs)}: {' '.join(argv)}"
+                    f"{f' (on {nproc} of the {world_size} ranks)' if nproc else ''}")
+        if nproc is not None and rank >= nproc:
+            continue
         try:
-            run(job, argv)
+            with ranks(nproc):
+                run(job, argv)
         except (Exception, SystemExit):  # SystemExit: torchtitan's parser exits on a bad value
             if not fails:
                 raise

@@ -1,6 +1,6 @@
 """The multi-rank harness itself (conftest.run_ranks): a rank that crashes while it works fails the test, naming
-the rank and the signal, with its Python stack printed; nothing retries it. And the launch tally counts each
-torchrun agent once."""
+the rank and the signal, with its Python stack printed; nothing retries it. The launch tally counts each
+torchrun agent once, and a job of tests/run_jobs.py on fewer ranks than its launch sees its own rank count."""
 
 import os
 import signal
@@ -65,3 +65,17 @@ def test_the_tally_counts_an_agent_once_not_its_children_before_they_exec():
     finally:
         tally.stop()
     assert tally.running["torchrun"] == 2
+
+
+def test_a_job_on_fewer_ranks_sees_a_launch_of_its_size(monkeypatch):
+    """tests/run_jobs.py's `nproc`: for the job, torchrun's size variables say its rank count; after it, the launch's."""
+    import run_jobs
+
+    launch = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "ROLE_WORLD_SIZE": "4", "GROUP_WORLD_SIZE": "1"}
+    for name, value in launch.items():
+        monkeypatch.setenv(name, value)
+    with run_jobs.ranks(2):  # GROUP_WORLD_SIZE counts nodes: still one
+        assert {name: os.environ[name] for name in launch} == {**dict.fromkeys(launch, "2"), "GROUP_WORLD_SIZE": "1"}
+    assert {name: os.environ[name] for name in launch} == launch
+    with run_jobs.ranks(None):
+        assert {name: os.environ[name] for name in launch} == launch
