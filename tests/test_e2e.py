@@ -2,10 +2,10 @@
 
 All runs start from one seed checkpoint (torchtitan's --checkpoint.create_seed_checkpoint), so
 1 rank, TP=2 and FSDP=2 train the same weights on the same global batch. The `runs` share two
-launches (conftest's train_runs: one per number of ranks); the compiled runs have launches of their
-own, since what they check is about a launch. The bad inputs that stop any layout are failing jobs of
-one 1-rank launch; pipeline parallelism, which needs 2 ranks to reach the plugin's check, is a failing
-job of the 2-rank launch.
+launch (conftest's train_runs: the 1-rank runs on rank 0 of the 2-rank launch); the compiled runs have
+launches of their own, since what they check is about a launch. The bad inputs that stop any layout are
+failing 1-rank jobs and pipeline parallelism, which needs 2 ranks to reach the plugin's check, a failing
+2-rank job, all in the same launch.
 """
 
 from pathlib import Path
@@ -13,15 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import CONFIG, check, job_logs, read_checkpoint, run, scalars, torchrun_jobs, train, train_runs
+from conftest import CONFIG, read_checkpoint, run, scalars, train, train_runs
 from plugin.model.reference import reference_entries
 
 STEPS = 3
 # fp32 everywhere; TP and FSDP only reorder reductions (seen: 1e-5 relative on grad_norm)
 RTOL = 1e-4
 
-# in launch order: tp2 runs first in its launch, so its memory figures are a fresh process's; fsdp2's
-# (the process's RSS) include what the job before took, which the only check on them (> 0) does not mind
+# in launch order: tp2 runs first in the launch, so its memory figures are a fresh process's; fsdp2's
+# (the process's RSS) include what the job before took, which the only check on them (> 0) does not mind;
+# the 1-rank runs come after the 2-rank ones
 RUNS = {
     "single": (1, ["--parallelism.tensor_parallel_degree", "1"]),
     "tp2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
@@ -38,11 +39,22 @@ PIPELINE = ["--job.config_file", CONFIG, "--training.steps", "1", "--parallelism
             "--parallelism.tensor_parallel_degree", "1"]
 
 
+BAD_INPUTS = [
+    (["--grpo.kl_estimator", "k4"], "invalid choice 'k4' for argument '--grpo.kl-estimator'"),
+    (["--training.dataset_path", "data/missing.jsonl"], "[training] dataset_path = 'data/missing.jsonl': no such rollout file"),
+]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, seed_checkpoint) -> dict[str, Path]:
-    """Two launches: single and padded on 1 rank, tp2 and fsdp2 on 2, then pipeline parallelism, which must fail."""
+    """One launch: tp2 and fsdp2, pipeline parallelism, which must fail, then on rank 0 alone single and padded and
+    the bad inputs, which must fail."""
+    bad = {f"bad_input{i}": (1, ["--job.config_file", CONFIG, "--training.steps", "1",
+                                 "--parallelism.tensor_parallel_degree", "1", *overrides])
+           for i, (overrides, _) in enumerate(BAD_INPUTS)}
     return train_runs(tmp_path_factory, {name: run(seed_checkpoint, n, *extra, steps=STEPS)
-                                         for name, (n, extra) in RUNS.items()}, failing={"pipeline": (2, PIPELINE)})
+                                         for name, (n, extra) in RUNS.items()},
+                      failing={"pipeline": (2, PIPELINE), **bad})
 
 
 @pytest.mark.parametrize("name", ["tp2", "fsdp2"])
@@ -125,30 +137,13 @@ def test_compiled_tp_shares_a_cache_and_matches_eager(runs, seed_checkpoint, tmp
     assert not any(p.name.startswith("rank_") for p in cache.iterdir())  # one folder for both ranks
 
 
-BAD_INPUTS = [
-    (["--grpo.kl_estimator", "k4"], "invalid choice 'k4' for argument '--grpo.kl-estimator'"),
-    (["--training.dataset_path", "data/missing.jsonl"], "[training] dataset_path = 'data/missing.jsonl': no such rollout file"),
-]
-
-
-@pytest.fixture(scope="module")
-def bad_input_launch():
-    """The bad inputs that stop a run on any layout, as jobs that must fail, in one 1-rank launch."""
-    proc = torchrun_jobs(1, [{"argv": ["--job.config_file", CONFIG, "--training.steps", "1",
-                                       "--parallelism.tensor_parallel_degree", "1", *overrides], "fails": True}
-                             for overrides, _ in BAD_INPUTS])
-    check(proc)
-    return proc
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides, message", BAD_INPUTS)
-def test_bad_input_stops_torchrun_at_start_up(bad_input_launch, overrides, message):
-    logs = job_logs(bad_input_launch)
-    assert len(logs) == len(BAD_INPUTS), bad_input_launch.stdout[-4000:]
-    assert "failed, as it should" in logs[BAD_INPUTS.index((overrides, message))]
-    # the parser writes its error to stderr, which job_logs does not cut: each message is the launch's only one
-    assert message in bad_input_launch.stdout + bad_input_launch.stderr
+def test_bad_input_stops_torchrun_at_start_up(runs, overrides, message):
+    log = runs[f"bad_input{BAD_INPUTS.index((overrides, message))}"]
+    assert "failed, as it should" in log.read_text()
+    # the parser writes its error to stderr, which the job's log (rank 0's stdout) does not hold
+    assert message in log.read_text() + (log.parent / "stderr.log").read_text()
 
 
 def test_pipeline_parallelism_stops_torchrun_at_start_up(runs):

@@ -4,7 +4,8 @@ run resumed from torchtitan's checkpoint continues at the same row of the data.
 Both start from conftest's seed checkpoint. The learning figures come from
 benchmarks/learning_signal.py, which runs the same training and scoring and plots them; the test
 scores through its --score mode. The 2-rank runs (the offline run and the online example's two
-stages) share one launch; the resume test's two 1-rank runs have one each.
+stages) share one launch, with the resume test's first 1-rank run on its rank 0; the resumed run has a
+launch of its own.
 """
 
 import json
@@ -48,18 +49,32 @@ ONLINE_STEPS = 25
 MIN_POINTS = {"greedy": 0.03, "sampled": 0.02}  # under 0.6x the smallest rise over seeds, 3-4 sds under the mean
 
 
+# the resume test's runs: 4 steps with a checkpoint at step 2, then the same run resumed from that checkpoint
+RESUME_STEPS = 4
+
+
+def resume_run(seed_checkpoint, folder: Path, dump: Path) -> list[str]:
+    return ["--job.config_file", CONFIG, "--job.dump_folder", str(dump), "--training.steps", str(RESUME_STEPS),
+            "--parallelism.tensor_parallel_degree", "1", "--checkpoint.enable",
+            "--checkpoint.initial_load_path", str(seed_checkpoint), "--checkpoint.folder", str(folder),
+            "--checkpoint.interval", "2"]
+
+
 @pytest.fixture(scope="module")
 def two_rank_runs(tmp_path_factory, seed_checkpoint) -> dict[str, Path]:
     """The online warm-up, the offline learning run, then the online run from the warm-up's last checkpoint:
     one launch. The offline run sits between the two online stages, so the online run does not start in
-    the process right after the job that wrote its starting checkpoint."""
-    dumps = {name: tmp_path_factory.mktemp(name) for name in ("online_warmup", "learning", "online")}
+    the process right after the job that wrote its starting checkpoint. Last, on rank 0 alone, the resume
+    test's straight run (`straight`, its checkpoints in `resume`)."""
+    dumps = {name: tmp_path_factory.mktemp(name) for name in ("online_warmup", "learning", "online", "straight")}
+    dumps["resume"] = tmp_path_factory.mktemp("resume") / "checkpoint"
     start = dumps["online_warmup"] / "checkpoint" / "step-60"
     check(torchrun_jobs(2, [
         ["--job.config_file", "train_configs/online_warmup_cpu.toml", "--job.dump_folder", str(dumps["online_warmup"])],
         ["--job.config_file", CONFIG, *run(seed_checkpoint, 2, steps=STEPS).overrides(dumps["learning"])],
         ["--job.config_file", "train_configs/online_cpu.toml", "--job.dump_folder", str(dumps["online"]),
          "--training.steps", str(ONLINE_STEPS), "--checkpoint.initial_load_path", str(start)],
+        {"argv": resume_run(seed_checkpoint, dumps["resume"], dumps["straight"]), "nproc": 1},
     ]))
     return dumps
 
@@ -73,20 +88,15 @@ def test_grpo_raises_the_heldout_margin_with_bounded_kl(two_rank_runs, seed_chec
     assert all(0 < v < KL_MAX for v in kl[1:]), kl
 
 
-def test_resume_continues_at_the_same_row(tmp_path_factory, seed_checkpoint):
+def test_resume_continues_at_the_same_row(two_rank_runs, tmp_path_factory, seed_checkpoint):
     """4 steps with a checkpoint at step 2, then the same run resumed from that checkpoint: same steps 3 and 4.
 
-    Two launches: the resumed run must not follow the straight one in its process (state left there could
-    hide a resume bug), and step-4 is removed between them."""
-    folder = tmp_path_factory.mktemp("resume") / "checkpoint"
-    common = ["--training.steps", "4", "--parallelism.tensor_parallel_degree", "1", "--checkpoint.enable",
-              "--checkpoint.initial_load_path", str(seed_checkpoint), "--checkpoint.folder", str(folder),
-              "--checkpoint.interval", "2"]
-    straight = tmp_path_factory.mktemp("straight")
-    check(torchrun(1, CONFIG, "--job.dump_folder", str(straight), *common))
-    shutil.rmtree(folder / "step-4")  # the resumed run finds step 2 as the latest checkpoint
+    The resumed run has a launch of its own: it must not follow the straight one (in two_rank_runs' launch) in its
+    process (state left there could hide a resume bug), and step-4 is removed between them."""
+    folder, straight = two_rank_runs["resume"], two_rank_runs["straight"]
+    shutil.rmtree(folder / f"step-{RESUME_STEPS}")  # the resumed run finds step 2 as the latest checkpoint
     resumed = tmp_path_factory.mktemp("resumed")
-    proc = torchrun(1, CONFIG, "--job.dump_folder", str(resumed), *common)
+    proc = torchrun(1, *resume_run(seed_checkpoint, folder, resumed)[1:])
     check(proc)
     assert "Training starts at step 3" in proc.stdout + proc.stderr
     a, b = scalars(straight), scalars(resumed)

@@ -62,8 +62,9 @@ MU = ("--online.num_iterations", "2", "--optimizer.lr", "1e-2", "--lr_scheduler.
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, seed_checkpoint, prompts) -> dict[str, Path]:
-    """Every run of this file, in one launch per rank count (3 launches); the bad inputs' runs, which must fail,
-    last in the 1-rank launch, each with its log in a file (`bad_input_logs`)."""
+    """Every run of this file, in one launch per rank count (2 launches): the 1-rank runs first in the 2-rank launch,
+    on its rank 0 (tests/run_jobs.py's `nproc`), the bad inputs' runs, which must fail, last of them, each with its
+    log in a file (`bad_input_logs`)."""
     dumps = {name: tmp_path_factory.mktemp(name.replace(" ", "_").replace(",", "").replace("=", ""))
              for name in [*LAYOUTS, "mu_straight", "mu_split", "variants", "eval", "bf16"]}
     jobs = {1: [], 2: [], 4: []}
@@ -82,13 +83,16 @@ def runs(tmp_path_factory, seed_checkpoint, prompts) -> dict[str, Path]:
                           "--training.steps", "1", "--training.dataset_path", str(prompts),
                           "--parallelism.tensor_parallel_degree", "1", "--checkpoint.no-enable",  # no warm-up weights
                           *SMALL, *flags], "fails": True} for flags, _ in BAD_INPUTS]
+    jobs[2][:0] = [{**(argv if isinstance(argv, dict) else {"argv": argv}), "nproc": 1} for argv in jobs.pop(1)]
     for nproc, argvs in jobs.items():
         proc = torchrun_jobs(nproc, argvs, env=ENV)
         check(proc)
-        if nproc == 1:
+        if nproc == 2:
             logs = job_logs(proc)
             assert len(logs) == len(argvs), proc.stdout[-4000:]
-            for i, log in enumerate(logs[-len(BAD_INPUTS):]):
+            bad = [log for argv, log in zip(argvs, logs) if isinstance(argv, dict) and argv.get("fails")]
+            assert len(bad) == len(BAD_INPUTS)
+            for i, log in enumerate(bad):
                 dumps[f"bad_input{i}"] = tmp_path_factory.mktemp("bad_input_log") / "job.log"
                 dumps[f"bad_input{i}"].write_text(log)
     return dumps

@@ -4,8 +4,8 @@ Simplifications:
 1. Fast tests build the GRPO model in one process as torchtitan's Trainer does (meta init,
    parallelize, to_empty, init_weights); sharded models only appear in the torchrun tests.
 2. End-to-end tests run torchtitan's training jobs, all from the session's seed checkpoint, with 2-6
-   steps: the 2-rank runs in one torchrun launch, the 1-rank runs in another (conftest's torchrun_jobs:
-   a launch's start-up, most of a short run's time on 2 cores, is paid once).
+   steps, in one 2-rank torchrun launch, the 1-rank runs on its rank 0 (conftest's torchrun_jobs: a
+   launch's start-up, most of a short run's time on 2 cores, is paid once).
 3. Offload cannot move anything on a CPU-only machine: only its being a no-op there is tested.
 """
 
@@ -261,19 +261,22 @@ RESUME_STEPS, RESUME_AT = 6, 3
 
 
 @pytest.fixture(scope="module")
-def two_rank_runs(tmp_path_factory, seed_checkpoint) -> dict:
-    """Every 2-rank run, in one launch, in this order (each job reads only what earlier ones saved):
+def runs(tmp_path_factory, seed_checkpoint) -> dict:
+    """Every end-to-end run, in one 2-rank launch, in this order (each job reads only what earlier ones saved):
 
-    1. export_hf: the policy after 2 steps (TP=2), exported model-only as HF safetensors.
-    2. split: TP=2, the reference from that export, synced every 2 steps: the first 3 of 6 steps.
-    3. straight: the same 6 steps in one go.
-    4. export_dcp: the policy after 2 steps at FSDP=2, exported model-only as DCP; it also syncs its
+    1. beta_zero, on rank 0 alone: [grpo] beta = 0, 2 steps (its log is checked: first in the launch, it runs in a
+       fresh process, as in a launch of its own).
+    2. export_hf: the policy after 2 steps (TP=2), exported model-only as HF safetensors.
+    3. split: TP=2, the reference from that export, synced every 2 steps: the first 3 of 6 steps.
+    4. straight: the same 6 steps in one go.
+    5. export_dcp: the policy after 2 steps at FSDP=2, exported model-only as DCP; it also syncs its
        reference every step (FSDP's sharded parameters are updated in place).
-    5. split's resume from its step-3 checkpoint, to match straight. Not right after split or straight:
+    6. split's resume from its step-3 checkpoint, to match straight. Not right after split or straight:
        export_dcp, a different run, comes between, so that what they leave in the process could not pass
        for what the resume must restore.
+    7. hf_initial, on rank 0 alone: 2 steps from the HF export's weights ([checkpoint] initial_load_in_hf).
     """
-    names = ("export_hf", "split", "straight", "export_dcp")
+    names = ("beta_zero", "export_hf", "split", "straight", "export_dcp", "hf_initial")
     dumps = {name: tmp_path_factory.mktemp(name) for name in names}
     export_hf = dumps["export_hf"] / f"checkpoint/step-{EXPORT_STEPS}"
     export = ("--checkpoint.interval", "1000", "--checkpoint.last_save_model_only")
@@ -281,7 +284,10 @@ def two_rank_runs(tmp_path_factory, seed_checkpoint) -> dict:
               "--lr_scheduler.total_steps", str(RESUME_STEPS),  # the same LR schedule for the 3-step run
               "--reference_model.checkpoint_path", str(export_hf),
               "--reference_model.sync_steps", "2", "--reference_model.sync_alpha", "0.5")
+    one_rank = ("--parallelism.tensor_parallel_degree", "1", "--checkpoint.no-last-save-model-only",
+                "--checkpoint.interval", "1000")
     jobs = [
+        {"argv": job(dumps["beta_zero"], seed_checkpoint, 2, "--grpo.beta", "0", *one_rank), "nproc": 1},
         job(dumps["export_hf"], seed_checkpoint, EXPORT_STEPS, *export, "--checkpoint.last_save_in_hf"),
         job(dumps["split"], seed_checkpoint, RESUME_AT, *resume),
         job(dumps["straight"], seed_checkpoint, RESUME_STEPS, *resume),
@@ -289,27 +295,16 @@ def two_rank_runs(tmp_path_factory, seed_checkpoint) -> dict:
             "--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "8",
             "--reference_model.sync_steps", "1", "--reference_model.sync_alpha", "0.5"),
         job(dumps["split"], seed_checkpoint, RESUME_STEPS, *resume),
+        {"argv": job(dumps["hf_initial"], export_hf, 2, "--checkpoint.initial_load_in_hf", *one_rank), "nproc": 1},
     ]
     proc, logs = launch(2, jobs)
-    return {**dumps, "resume_log": logs[-1], "stderr": proc.stderr}
+    return {**dumps, "beta_zero_log": logs[0], "resume_log": logs[5], "stderr": proc.stderr}
 
 
 @pytest.fixture(scope="module")
-def exports(two_rank_runs) -> dict[str, Path]:
+def exports(runs) -> dict[str, Path]:
     """The policy after 2 steps, exported model-only as DCP (FSDP=2) and as HF safetensors (TP=2)."""
-    return {fmt: two_rank_runs[f"export_{fmt}"] / f"checkpoint/step-{EXPORT_STEPS}" for fmt in ("dcp", "hf")}
-
-
-@pytest.fixture(scope="module")
-def one_rank_runs(tmp_path_factory, seed_checkpoint, exports) -> dict:
-    """The 1-rank runs, 2 steps each, in one launch: [grpo] beta = 0 first (its log is checked: it runs in a fresh
-    process, as in a launch of its own), then one from the HF export's weights ([checkpoint] initial_load_in_hf)."""
-    dumps = {name: tmp_path_factory.mktemp(name) for name in ("beta_zero", "hf_initial")}
-    common = ("--parallelism.tensor_parallel_degree", "1", "--checkpoint.no-last-save-model-only",
-              "--checkpoint.interval", "1000")
-    proc, logs = launch(1, [job(dumps["beta_zero"], seed_checkpoint, 2, "--grpo.beta", "0", *common),
-                            job(dumps["hf_initial"], exports["hf"], 2, "--checkpoint.initial_load_in_hf", *common)])
-    return {**dumps, "beta_zero_log": logs[0], "stderr": proc.stderr}
+    return {fmt: runs[f"export_{fmt}"] / f"checkpoint/step-{EXPORT_STEPS}" for fmt in ("dcp", "hf")}
 
 
 def test_exports_hold_exactly_the_policy(exports, seed_checkpoint):
@@ -332,9 +327,9 @@ def test_load_reference_checkpoint(exports, fmt):
         assert torch.equal(got[k], v), k
 
 
-def test_reference_starts_from_hf_initial_weights(one_rank_runs, exports):
+def test_reference_starts_from_hf_initial_weights(runs, exports):
     """[checkpoint] initial_load_in_hf: the policy and so the reference start from the HF weights."""
-    dump = one_rank_runs["hf_initial"]
+    dump = runs["hf_initial"]
     expected = hf_adapter(parse()).from_hf(hf_export(exports["hf"]))
     reference = reference_of(read_checkpoint(dump / "checkpoint/step-2"))
     assert set(reference) == set(expected)
@@ -342,29 +337,30 @@ def test_reference_starts_from_hf_initial_weights(one_rank_runs, exports):
     assert scalars_by_step(dump)["grpo/kl"][1] == 0
 
 
-def test_resume_continues_bitwise(two_rank_runs):
+def test_resume_continues_bitwise(runs):
     """TP=2, the reference from the HF export, synced every 2 steps: 6 steps straight, and 3 + resume + 3."""
-    straight, split = (scalars_by_step(two_rank_runs[k]) for k in ("straight", "split"))
+    straight, split = (scalars_by_step(runs[k]) for k in ("straight", "split"))
     assert sorted(split["loss_metrics/global_avg_loss"]) == list(range(1, RESUME_STEPS + 1))
     for tag in ("loss_metrics/global_avg_loss", "grad_norm", "grpo/kl"):
         assert split[tag] == straight[tag], tag
     assert straight["grpo/kl"][1] > 0  # the reference came from checkpoint_path, not the policy
 
-    end = {k: read_checkpoint(two_rank_runs[k] / f"checkpoint/step-{RESUME_STEPS}") for k in ("straight", "split")}
+    end = {k: read_checkpoint(runs[k] / f"checkpoint/step-{RESUME_STEPS}") for k in ("straight", "split")}
     ref_straight, ref_split = reference_of(end["straight"]), reference_of(end["split"])
     assert ref_straight and set(ref_straight) == set(ref_split)
     assert all(torch.equal(v, ref_split[k]) for k, v in ref_straight.items())
     # the resume restored the saved (synced) reference instead of reloading checkpoint_path
-    log = two_rank_runs["resume_log"]
+    log = runs["resume_log"]
     assert "Reference model restored from the checkpoint" in log and "loaded from [reference_model]" not in log
     # stderr is the whole launch's: the check holds for every job there
-    assert "loaded from [reference_model]" not in two_rank_runs["stderr"]
+    assert "loaded from [reference_model]" not in runs["stderr"]
 
 
-def test_beta_zero_run_has_no_reference(one_rank_runs):
-    dump, log = one_rank_runs["beta_zero"], one_rank_runs["beta_zero_log"]
+def test_beta_zero_run_has_no_reference(runs):
+    dump, log = runs["beta_zero"], runs["beta_zero_log"]
     assert "[grpo] beta = 0: no reference model is built" in log and "Reference model" not in log
-    assert "Reference model" not in one_rank_runs["stderr"]  # the whole launch's stderr: no job writes it there
+    assert "dp_shard=1, cp=1, tp=1," in log  # on 1 rank of the 2-rank launch, it saw a world of 1 (FSDP=2 otherwise)
+    assert "Reference model" not in runs["stderr"]  # the whole launch's stderr: no job writes it there
     tags = scalars_by_step(dump)
     assert "loss_metrics/global_avg_loss" in tags
     assert not [t for t in tags if t.startswith("grpo/ref_")]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, check, parse_config, scalars, torchrun, torchrun_jobs
+from conftest import REPO, check, parse_config, scalars, torchrun_jobs
 from plugin.convert_gguf import INSTALL, convert, default_gguf_path, main
 
 CONFIG = "train_configs/smollm2_cpu.toml"
@@ -266,20 +266,23 @@ HELD = [[{"role": "user", "content": f"What is {a} + {b}?"}] for a, b in ((4, 9)
 
 
 @pytest.fixture(scope="module")
-def one_rank_runs(hf_dir, tmp_path_factory) -> dict[str, Path]:
-    """The 1-rank training runs, in one launch: `single` for test_trains_on_one_rank_and_fsdp2, then `online`
-    for the online test (left out where transformers is missing: that test skips). tests/ is on PYTHONPATH for
-    the online run's reward function (tests/reward_fns.py); the single run imports nothing from there."""
-    dumps = {"single": tmp_path_factory.mktemp("smollm2_single")}
-    jobs = [["--job.config_file", CONFIG, "--job.dump_folder", str(dumps["single"]),
-             "--training.local_batch_size", "16", "--model.hf_assets_path", str(hf_dir),
-             "--checkpoint.initial_load_path", str(hf_dir)]]
+def runs(hf_dir, tmp_path_factory) -> dict[str, Path]:
+    """The training runs, in one 2-rank launch: `fsdp2`, then on rank 0 alone `single` (both for
+    test_trains_on_one_rank_and_fsdp2) and `online` for the online test (left out where transformers is missing:
+    that test skips). tests/ is on PYTHONPATH for the online run's reward function (tests/reward_fns.py); the other
+    runs import nothing from there."""
+    dumps = {"fsdp2": tmp_path_factory.mktemp("smollm2_fsdp2"), "single": tmp_path_factory.mktemp("smollm2_single")}
+    load = ["--model.hf_assets_path", str(hf_dir), "--checkpoint.initial_load_path", str(hf_dir)]
+    jobs = [["--job.config_file", CONFIG, "--job.dump_folder", str(dumps["fsdp2"]), "--training.local_batch_size", "8",
+             *load],
+            {"argv": ["--job.config_file", CONFIG, "--job.dump_folder", str(dumps["single"]),
+                      "--training.local_batch_size", "16", *load], "nproc": 1}]
     if importlib.util.find_spec("transformers") is not None:
         dump = dumps["online"] = tmp_path_factory.mktemp("smollm2_online")
         prompts, heldout = dump / "prompts.jsonl", dump / "heldout.jsonl"
         prompts.write_text("".join(json.dumps(r) + "\n" for r in online_rows()))
         heldout.write_text("".join(json.dumps({"prompt": m}) + "\n" for m in HELD))
-        jobs.append([
+        jobs.append({"nproc": 1, "argv": [
             "--job.config_file", CONFIG, "--job.dump_folder", str(dump), "--model.hf_assets_path", str(hf_dir),
             "--validation.enable", "--validation.dataset_path", str(heldout), "--validation.local_batch_size", "2",
             "--validation.freq", "1000", "--online.eval_log_completions",
@@ -287,35 +290,31 @@ def one_rank_runs(hf_dir, tmp_path_factory) -> dict[str, Path]:
             "--checkpoint.last_save_in_hf", "--checkpoint.interval", "1000",
             "--training.dataset_path", str(prompts), "--training.seq_len", "48", "--training.local_batch_size", "4",
             "--online.enable", "--online.reward_funcs", "reward_fns:chat_reply_length",
-            "--online.num_generations", "2", "--online.max_new_tokens", "6"])
+            "--online.num_generations", "2", "--online.max_new_tokens", "6"]})
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")]))}
-    check(torchrun_jobs(1, jobs, env=env))
+    check(torchrun_jobs(2, jobs, env=env))
     return dumps
 
 
 @pytest.mark.slow
-def test_trains_on_one_rank_and_fsdp2(hf_dir, one_rank_runs, tmp_path_factory):
-    """torchtitan's train.py from the converted weights: 1 rank and FSDP=2 on the same 16-completion batches.
-    The 1-rank run shares a launch with the online test's run; FSDP=2, the only 2-rank run, has its own."""
-    load = ["--model.hf_assets_path", str(hf_dir), "--checkpoint.initial_load_path", str(hf_dir)]
-    dump = tmp_path_factory.mktemp("smollm2_fsdp2")
-    check(torchrun(2, CONFIG, "--job.dump_folder", str(dump), "--training.local_batch_size", "8", *load))
-    runs = {"single": scalars(one_rank_runs["single"]), "fsdp2": scalars(dump)}
-    for tb in runs.values():
+def test_trains_on_one_rank_and_fsdp2(runs):
+    """torchtitan's train.py from the converted weights: 1 rank and FSDP=2 on the same 16-completion batches."""
+    tb_of = {name: scalars(runs[name]) for name in ("single", "fsdp2")}
+    for tb in tb_of.values():
         assert len(tb["loss_metrics/global_avg_loss"]) == 2
         assert tb["grpo/kl"][0] == 0 and tb["grpo/kl"][1] > 0  # the reference is the loaded policy, then stays put
         # a pretrained model is confident on arithmetic: random weights give ln(49152) = 10.8 nats
         assert tb["grpo/entropy"][0] < 5
     for tag in ("loss_metrics/global_avg_loss", "grad_norm", "grpo/entropy"):
-        assert runs["fsdp2"][tag] == pytest.approx(runs["single"][tag], rel=1e-4), tag
+        assert tb_of["fsdp2"][tag] == pytest.approx(tb_of["single"][tag], rel=1e-4), tag
 
 
 @pytest.mark.slow
-def test_online_run_on_chat_prompts_agrees_with_its_sampler_and_exports_for_transformers(hf_dir, one_rank_runs):
+def test_online_run_on_chat_prompts_agrees_with_its_sampler_and_exports_for_transformers(hf_dir, runs):
     """2 online steps on conversational prompts: sampler and trainer log-probs agree to fp32 rounding, the reward
     function gets TRL's conversational shapes, and the last_save_in_hf export loads and generates in transformers."""
     transformers = pytest.importorskip("transformers", reason="the export is loaded by transformers: pip install -e '.[dev]'")
-    dump, rows, held = one_rank_runs["online"], online_rows(), HELD
+    dump, rows, held = runs["online"], online_rows(), HELD
     tb = scalars(dump)
     assert len(tb["online/logprob_mismatch"]) == 2
     print("online/logprob_mismatch per step:", tb["online/logprob_mismatch"])
