@@ -11,9 +11,11 @@
    chunked_logprobs on one rank (eager and compiled) and against fp64 at TP=2.
 5. torchtitan's own train.py on 1, 2 and 4 ranks (TP, FSDP, HSDP), fused against unfused: the runs on
    as many ranks share one torchrun launch.
+The 2-rank checks of 2-4 (spawned gloo ranks) share one spawned group.
 """
 
 import contextlib
+import os
 
 import pytest
 import torch
@@ -21,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from conftest import build_model, ranks_result, run, run_ranks, scalars, train_runs
+from conftest import build_model, run, run_ranks, scalars, train_runs
 from plugin.data.batch import Rollouts, loss_weights
 from plugin.scoring.logprobs import Scoring, blocked_logprobs, chunked_logprobs, compute_logprobs_and_entropy, fused_chunked_loss
 from test_logprobs import (
@@ -253,17 +255,27 @@ def _fsdp_fused(rank):
                    for fused in (True, False)] for name, case in FSDP_CASES.items()}
 
 
-def _model_ranks(rank, world_size, out):
-    """The model-level 2-rank comparisons, the FSDP cases and GSPO's sequence ratio, in one spawned group: each
-    pair (fused, today's path) is built from the same seed, so what ran before in the process is the same for both."""
+def _two_ranks(rank, world_size, out_dir):
+    """Every 2-rank check of this file in one spawned group (a spawn's start-up and imports cost as much as one of
+    the two groups' work): the vocab-parallel head's cases, then the model-level comparisons, the FSDP cases and
+    GSPO's sequence ratio. Each pair (fused, today's path) is built from the same seed, so what ran before in the
+    process is the same for both."""
+    _tp_fused(rank, world_size, out_dir)
     results = {"fsdp": _fsdp_fused(rank), "sequence": _sequence_ranks(rank)}
     if rank == 0:
-        torch.save(results, out)
+        torch.save(results, os.path.join(out_dir, "models.pt"))
 
 
 @pytest.fixture(scope="module")
-def model_ranks(tmp_path_factory):
-    return ranks_result(tmp_path_factory, "model_ranks", 2, _model_ranks)
+def two_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("two_ranks")
+    run_ranks(2, _two_ranks, str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_ranks(two_ranks):
+    return torch.load(two_ranks / "models.pt")
 
 
 @pytest.fixture(scope="module")
@@ -345,10 +357,8 @@ def _tp_fused(rank, world_size, out_dir):
 
 
 @pytest.fixture(scope="module")
-def tp_fused(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp_fused")
-    run_ranks(2, _tp_fused, str(out))
-    return load_checks(out)
+def tp_fused(two_ranks):
+    return load_checks(two_ranks)
 
 
 @pytest.mark.parametrize("chunk_tokens, vocab_block", TP_CASES)

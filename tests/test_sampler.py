@@ -108,10 +108,15 @@ def _layout_samples(tp, dp, names, stops) -> tuple[dict, dict]:
     return results, models
 
 
+def _layouts_worker(rank, world_size, layouts, names, stops, outs):
+    """Every multi-rank check of each layout on these ranks, in one spawn (a spawn's start-up, imports and model builds
+    were most of each check's time: 9 spawns became 2). What rank 0 keeps for the tests goes to each layout's `out`;
+    checks that assert on every rank (the FSDP training step after generation) fail the spawn, naming the rank."""
+    for layout, out in zip(layouts, outs):
+        _layout_worker(rank, world_size, tuple(layout), names, stops, out)
+
+
 def _layout_worker(rank, world_size, layout, names, stops, out):
-    """Every multi-rank check of one layout, in one spawn (a spawn's start-up, imports and model builds were most of
-    each check's time: 9 spawns became 3). What rank 0 keeps for the tests goes to `out`; checks that assert on
-    every rank (the FSDP training step after generation) fail the spawn, naming the rank."""
     tp, dp = layout
     results, models = _layout_samples(tp, dp, names, stops)
     extra = {"dtypes": _dtypes(layout)}
@@ -155,10 +160,15 @@ def _vllm_shards(model) -> dict:
     return dict(gathered=counter[1], total=total)
 
 
-def run_layout(tmp_path_factory, tp, dp, names, stops):
-    out = tmp_path_factory.mktemp(f"sampler_tp{tp}_dp{dp}") / "results.pt"
-    run_ranks(tp * dp, _layout_worker, (tp, dp), names, stops, str(out))
-    saved = torch.load(out, weights_only=False)
+def run_layouts(tmp_path_factory, layouts, names, stops) -> list[dict]:
+    """The layouts (each (tp, dp), on as many ranks) one after another in one spawned group: each one's results."""
+    (world_size,) = {tp * dp for tp, dp in layouts}
+    outs = [tmp_path_factory.mktemp(f"sampler_tp{tp}_dp{dp}") / "results.pt" for tp, dp in layouts]
+    run_ranks(world_size, _layouts_worker, layouts, names, stops, [str(out) for out in outs])
+    return [_merge(torch.load(out, weights_only=False), tp, dp, names) for (tp, dp), out in zip(layouts, outs)]
+
+
+def _merge(saved, tp, dp, names):
     per_rank = saved.pop("per_rank")
     merged = {}
     for name in names:
@@ -181,20 +191,27 @@ def _concat(parts):
 
 
 @pytest.fixture(scope="module")
-def tp2(tmp_path_factory, one_rank):
-    return run_layout(tmp_path_factory, 2, 1, ("grpo_llama3", "grpo_qwen3"),
-                      {n: r["stops"] for n, r in one_rank.items()})
+def two_ranks(tmp_path_factory, one_rank):
+    """TP=2, then FSDP=2, on the same 2 spawned ranks."""
+    return run_layouts(tmp_path_factory, [(2, 1), (1, 2)], ("grpo_llama3", "grpo_qwen3"),
+                       {n: r["stops"] for n, r in one_rank.items()})
 
 
 @pytest.fixture(scope="module")
-def fsdp2(tmp_path_factory, one_rank):
-    return run_layout(tmp_path_factory, 1, 2, ("grpo_llama3", "grpo_qwen3"),
-                      {n: r["stops"] for n, r in one_rank.items()})
+def tp2(two_ranks):
+    return two_ranks[0]
+
+
+@pytest.fixture(scope="module")
+def fsdp2(two_ranks):
+    return two_ranks[1]
 
 
 @pytest.fixture(scope="module")
 def tp2_fsdp2(tmp_path_factory, one_rank):
-    return run_layout(tmp_path_factory, 2, 2, ("grpo_llama3",), {"grpo_llama3": one_rank["grpo_llama3"]["stops"]})
+    (results,) = run_layouts(tmp_path_factory, [(2, 2)], ("grpo_llama3",),
+                             {"grpo_llama3": one_rank["grpo_llama3"]["stops"]})
+    return results
 
 
 def max_logprob_diff(a, b) -> float:
