@@ -171,7 +171,7 @@ BAD_INPUTS = [
 
 @pytest.fixture(scope="module")
 def bad_input_logs(runs) -> list[str]:
-    """Each bad input's log: its run, which must stop with an error, is a job of the 1-rank launch of `runs`."""
+    """Each bad input's log: its run, which must stop with an error, is a 1-rank job of `runs`'s 2-rank launch."""
     return [runs[f"bad_input{i}"].read_text() for i in range(len(BAD_INPUTS))]
 
 
