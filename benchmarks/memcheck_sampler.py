@@ -15,8 +15,9 @@ objects through malloc too); 80-90x slower than native (the cached workload: 407
 rank's errors are counted by kind, without glibc's dynamic loader's reads past a string (frames in `dl-*.c`, a
 known false positive of memcheck), and appended to benchmarks/results/memcheck_sampler.csv with the table; the logs
 stay under `--out`. `--native` runs the same workload without valgrind (a check of the launcher). `--loop SECONDS`
-runs it natively, over and over in each rank's one process until SECONDS have passed, with glibc's heap checks on
-(`MALLOC_CHECK_=3`, freed and new blocks filled by `MALLOC_PERTURB_`): a race between threads that memcheck's
+runs it natively, over and over in each rank's one process until SECONDS have passed, freed and new blocks filled
+by `MALLOC_PERTURB_` (`MALLOC_CHECK_=3` is set too, inert on glibc 2.34 and later without libc_malloc_debug
+preloaded: docs/reliability.md): a race between threads that memcheck's
 one-thread-at-a-time scheduling cannot show would have the workload's whole run to happen in; a rank's output
 holding glibc's or Python's fatal error message counts as an error.
 
@@ -94,7 +95,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads a rank (2: the layout CI crashed in)")
     ap.add_argument("--native", action="store_true", help="without valgrind")
     ap.add_argument("--loop", type=float, default=0, metavar="SECONDS",
-                    help="natively, the workload again and again for SECONDS, glibc's heap checks on")
+                    help="natively, the workload again and again for SECONDS, MALLOC_PERTURB_ on")
     ap.add_argument("--out", type=Path, default=RESULTS / "tmp" / "memcheck_sampler")
     ap.add_argument("--rank", help=argparse.SUPPRESS)
     args = ap.parse_args()
