@@ -17,9 +17,9 @@ known false positive of memcheck), and appended to benchmarks/results/memcheck_s
 stay under `--out`. `--native` runs the same workload without valgrind (a check of the launcher). `--loop SECONDS`
 runs it natively, over and over in each rank's one process until SECONDS have passed, freed and new blocks filled
 by `MALLOC_PERTURB_` (`MALLOC_CHECK_=3` is set too, inert on glibc 2.34 and later without libc_malloc_debug
-preloaded: docs/reliability.md): a race between threads that memcheck's
-one-thread-at-a-time scheduling cannot show would have the workload's whole run to happen in; a rank's output
-holding glibc's or Python's fatal error message counts as an error.
+preloaded: docs/reliability.md): a race between threads that memcheck's one-thread-at-a-time scheduling cannot
+show would have the workload's whole run to happen in; a rank's output holding glibc's or Python's fatal error
+message counts as an error.
 
     python benchmarks/memcheck_sampler.py --workload cached --threads 2 --loop 600
 """

@@ -6,10 +6,11 @@
 The node ids run in turns (one run of each, then the next round), so several ids load the machine as CI's
 suite does; each run is a fresh pytest process with MALLOC_PERTURB_ set, so that a freed block is overwritten
 (a use after free reads garbage instead of the old values), and MALLOC_CHECK_=3, which glibc 2.34 and later
-ignore unless libc_malloc_debug is preloaded (docs/reliability.md). A run that did not pass keeps its output (`<out>/<id>-<run>.log`); the CSV has a row per run: the
-node id, the run, its exit code, the seconds, and the signs of a crash in the output (a fatal signal, glibc's
-heap messages, a timeout). `--summarize RUNS.csv ...` writes benchmarks/results/repeat_test.csv (and its table):
-per node id, the runs, how many passed and the crash signs seen.
+ignore unless libc_malloc_debug is preloaded (docs/reliability.md). A run that did not pass keeps its output
+(`<out>/<id>-<run>.log`); the CSV has a row per run: the node id, the run, its exit code, the seconds, and the
+signs of a crash in the output (a fatal signal, glibc's heap messages, a timeout). `--summarize RUNS.csv ...`
+writes benchmarks/results/repeat_test.csv (and its table): per node id, the runs, how many passed and the crash
+signs seen.
 """
 
 import argparse

@@ -401,7 +401,8 @@ def run(seed: Path, nproc: int, *extra: str, steps: int = 3, config: str = CONFI
 
 
 def train_runs(tmp_path_factory, runs: dict[str, Run], resumes: dict[str, Run] | None = None,
-               failing: dict[str, tuple[int, list[str]]] | None = None, one_rank_apart: bool = False) -> dict[str, Path]:
+               failing: dict[str, tuple[int, list[str]]] | None = None,
+               one_rank_apart: bool = False) -> dict[str, Path]:
     """Every run's dump folder; runs on the same number of ranks with the same environment share one launch, and the
     1-rank runs go last in the smallest launch of several ranks with their environment, on its rank 0 alone, where
     there is one (tests/run_jobs.py's `nproc`: a launch's start-up is paid once), unless `one_rank_apart`.

@@ -1,7 +1,7 @@
 """End to end: torchrun + torchtitan's own train.py on CPU, with the bundled config and data.
 
 All runs start from one seed checkpoint (torchtitan's --checkpoint.create_seed_checkpoint), so
-1 rank, TP=2 and FSDP=2 train the same weights on the same global batch. The `runs` share two
+1 rank, TP=2 and FSDP=2 train the same weights on the same global batch. The `runs` share one
 launch (conftest's train_runs: the 1-rank runs on rank 0 of the 2-rank launch); the compiled runs have
 launches of their own, since what they check is about a launch. The bad inputs that stop any layout are
 failing 1-rank jobs and pipeline parallelism, which needs 2 ranks to reach the plugin's check, a failing
