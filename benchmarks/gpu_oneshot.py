@@ -111,6 +111,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--site", default="/tmp/site", help="where the wheels are installed (put first on PYTHONPATH)")
     p.add_argument("--budget", type=float, help="seconds for all parts (default: 560; --smoke: 1500)")
     p.add_argument("--parts", default=",".join(SHARES), help=f"comma list of {', '.join(SHARES)}")
+    p.add_argument("--logprob-variants", default=VARIANTS,
+                   help="the log-prob part's variants, in order (gather first: the others' diffs are against it)")
     p.add_argument("--out", help="results folder (default: $OUT, else benchmarks/results/gpu/; "
                                  "--smoke: benchmarks/results/tmp/gpu_smoke/)")
     args = p.parse_args(argv)
@@ -242,7 +244,7 @@ def write_datasets_stub(site: Path) -> None:
 def part_logprob(run: Run, timeout: float) -> None:
     """benchmarks/logprob_memory.py, TP=1; gather may run out of memory, which is a result."""
     cmd = [sys.executable, "benchmarks/logprob_memory.py", "--device", run.mode["device"], "--tp", "1",
-           *run.mode["logprob"], "--variants", VARIANTS, "--out", str(run.out),
+           *run.mode["logprob"], "--variants", run.args.logprob_variants, "--out", str(run.out),
            # the benchmark's own budget ends first, so it writes what it measured before the kill
            "--time-budget", str(int(max(timeout - 20, 1))), "--timeout", str(int(max(timeout - 20, 1)))]
     status, detail, _ = run.job("log-prob benchmark", cmd, timeout)
