@@ -375,13 +375,15 @@ def part_moe(run: Run, timeout: float) -> None:
         "--parallelism.data_parallel_shard_degree", "1", "--parallelism.expert_parallel_degree", "1",
         "--training.dataset_path", "data/compare_prompts.jsonl", "--training.seq_len", str(32 + moe["new_tokens"]),
         "--training.local_batch_size", str(moe["batch"]), "--training.steps", str(moe["steps"]),
-        "--online.reward_funcs", "plugin.example:arith_reward", "--online.max_new_tokens", str(moe["new_tokens"]),
+        # a random policy never writes a right sum (all rewards 0, so loss and gradients 0, as on the H100 on
+        # 2026-12-05); tests/reward_fns.py's even-token reward spreads its completions' rewards
+        "--online.reward_funcs", "reward_fns:even_ids", "--online.max_new_tokens", str(moe["new_tokens"]),
         "--online.stop_token_ids", "1", "--validation.no-enable", "--metrics.log_freq", "1", *moe["extra"],
     ]
-    status, detail, output = run.job("MoE online run", cmd, timeout)
+    status, detail, output = run.job("MoE online run", cmd, timeout, env={"PYTHONPATH": str(REPO / "tests")})
     steps = max(read_scalars(dump), parse_log(output), key=len)
     compiled = "--compile.no-enable" not in moe["extra"]
-    tags = ("moe/routing_agreement", "online/logprob_mismatch", "moe/load_max", "moe/router_entropy",
+    tags = ("moe/routing_agreement", "online/logprob_mismatch", "moe/load_max", "moe/router_entropy", "grpo/reward_std",
             "online/generated_tokens_per_s", "time_metrics/end_to_end(s)")
     lines = [f"### MoE, qwen3_30b_a3b_gpu.toml's settings with grpo_qwen3 {moe['flavor']} on 1 device (EP and FSDP 1): "
              f"online, R3, full AC, {'compiled' if compiled else 'eager'}, bf16; {moe['batch'] // 8} prompts x 8, "
