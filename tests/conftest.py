@@ -37,6 +37,11 @@ from plugin.cpu import hide_unloadable
 # torch cannot load (plugin.cpu says why); hidden before any test imports transformers, as the plugin hides it for vLLM
 hide_unloadable()
 
+# A test parametrized over DEVICES runs on the CPU everywhere and again on CUDA where a GPU is (benchmarks/gpu_oneshot.py's
+# tests part runs those: `-m "not slow" -k cuda`); without one its CUDA case shows as skipped, never as passed.
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))
+DEVICES = ["cpu", CUDA]
+
 
 def _launches(fn, seen: set) -> bool:
     """Whether `fn` calls, itself or through the module-level functions it calls by name, this file's

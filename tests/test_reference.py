@@ -194,6 +194,33 @@ def test_offload_is_a_noop_on_cpu():
     assert all(p.device.type == "cpu" for p in model.reference.module.parameters())
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_offloaded_reference_visits_cuda_only_for_its_pass():
+    """[reference_model] offload on CUDA: the reference's weights rest in host memory, come to the GPU for its pass
+    (which computes the log-probs of a reference that stays there) and leave it afterwards."""
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    kept, *_ = build_model("--parallelism.tensor_parallel_degree", "1", device=cuda)
+    offloaded, *_ = build_model("--parallelism.tensor_parallel_degree", "1", "--reference_model.offload", device=cuda)
+    assert offloaded.reference.offload and not kept.reference.offload
+    assert all(p.is_cuda for p in offloaded.parameters())  # the policy stays
+    ref = offloaded.reference.module
+    assert not any(p.is_cuda for p in ref.parameters())
+    tokens, labels = (t.to(cuda) for t in batch())
+    want = kept.reference.logprobs(kept, tokens, labels, kept.stats)
+    for first in (True, False):  # the first pass also loads the policy's weights into the reference
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        got = offloaded.reference.logprobs(offloaded, tokens, labels, offloaded.stats)
+        torch.cuda.synchronize()
+        assert not any(p.is_cuda for p in ref.parameters()), first
+        # only the output stays (a few blocks of 512 bytes): the 23.5 MiB of weights are gone again
+        assert torch.cuda.memory_allocated() - before < 2**20, first
+        assert torch.cuda.max_memory_allocated() - before >= _param_bytes(ref), first  # the weights came
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert torch.equal(flat(ref), flat(kept.reference.module.cpu()))
+
+
 def test_sync_moves_reference_toward_policy_and_survives_resume():
     alpha = 0.3
     flags = ("--reference_model.sync_steps", "2", "--reference_model.sync_alpha", str(alpha))

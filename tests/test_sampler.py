@@ -33,7 +33,7 @@ def prompts() -> list[list[int]]:
     return [torch.randint(3, 2048, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-def build(name: str, tp: int = 1, dp: int = 1, *overrides: str):
+def build(name: str, tp: int = 1, dp: int = 1, *overrides: str, device: str = "cpu"):
     """The model on a TP x DP layout, holding the 1-rank model's weights (a sharded init draws others)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torchtitan.distributed import ParallelDims
@@ -41,7 +41,7 @@ def build(name: str, tp: int = 1, dp: int = 1, *overrides: str):
     pd = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=1, ep=1, etp=1, world_size=tp * dp)
     args = ("--model.name", name, "--training.seq_len", str(SEQ_LEN), "--grpo.beta", "0", *overrides)
     model, *_ = build_model(*args, "--parallelism.tensor_parallel_degree", str(tp),
-                            "--parallelism.data_parallel_shard_degree", str(dp), parallel_dims=pd)
+                            "--parallelism.data_parallel_shard_degree", str(dp), parallel_dims=pd, device=device)
     if tp * dp > 1:
         plain, *_ = build_model(*args, "--parallelism.tensor_parallel_degree", "1")
         set_model_state_dict(model, plain.state_dict(), options=StateDictOptions(full_state_dict=True))
@@ -237,6 +237,27 @@ def assert_cached_matches_oracle(results, stops, what):
 @pytest.mark.parametrize("name", ["grpo_llama3", "grpo_qwen3"])
 def test_cached_matches_oracle_one_rank(one_rank, name):
     assert_cached_matches_oracle(one_rank[name], one_rank[name]["stops"], f"1 rank {name}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["grpo_llama3", "grpo_qwen3"])
+def test_cached_matches_oracle_on_cuda(name):
+    """On CUDA (its SDPA kernels, the KV cache on the device) the cached sampler draws the oracle's tokens, in one turn
+    and in several; and both draw what the CPU draws from the same weights and keys, since the Gumbel noise is a hash
+    of (key, token index, vocab id) computed alike on every device (fp32: only a near-tie of logits could differ)."""
+    cpu, cuda = build(name), build(name, device="cuda")
+    assert next(cuda.parameters()).is_cuda
+    stops = stop_ids_for(draw(cuda, [], kv_cache=True).completions)
+    results = dict(cached=draw(cuda, stops, True), oracle=draw(cuda, stops, False),
+                   turns_cached=draw(cuda, stops, True, turns=ToolLike()),
+                   turns_oracle=draw(cuda, stops, False, turns=ToolLike()))
+    assert_cached_matches_oracle(results, stops, f"cuda {name}")
+    assert_turns_match_oracle(results, stops, f"cuda {name}")
+    on_cpu = draw(cpu, stops, True)
+    assert on_cpu.completions == results["cached"].completions
+    diff = max_logprob_diff(on_cpu, results["cached"])
+    print(f"cuda {name}: max |cuda - cpu| log-prob = {diff:.2e}")
+    assert diff <= LOGPROB_ATOL
 
 
 def assert_turns_match_oracle(results, stops, what):
