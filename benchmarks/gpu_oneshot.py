@@ -1,4 +1,4 @@
-"""One shot on one lent GPU: set-up, the log-prob benchmark, the reference-offload benchmark, generation against
+"""One shot on one lent GPU: set-up, the suite's CUDA test cases, the log-prob benchmark, the reference-offload benchmark, generation against
 transformers' generate, padding-free against padded rows (the varlen kernel), a 20-step GRPO run and a
 multi-turn online run with a tool (rows resumed from their KV cache on the device), and a GRPO run on a
 mixture-of-experts flavor.
@@ -58,8 +58,8 @@ PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x
 # Share of --budget per part; a part may also use what the parts before it left unused.
 # Set from the first GPU calls (benchmarks/results/gpu/): set-up took 26 s, the log-prob part's compiled variants
 # need about 25 s each, the offload part 45 s a setting, GRPO 91 s, MoE 70 s, multi-turn 70 s, generation 73 s.
-SHARES = {"setup": 0.05, "logprob": 0.22, "offload": 0.16, "generation": 0.13, "padding_free": 0.04, "grpo": 0.18,
-          "multi_turn": 0.12, "moe": 0.10}
+SHARES = {"setup": 0.05, "tests": 0.08, "logprob": 0.20, "offload": 0.14, "generation": 0.12, "padding_free": 0.04,
+          "grpo": 0.17, "multi_turn": 0.10, "moe": 0.10}
 # gather first: the baseline of the diff column, and likely a quick OOM; then the unchunked compiled
 # pass that the fused pass's targets are ratios to, and the fused pass (policy) / blocked pass
 # (reference) that issue 10 built; should the part's time run out, the older chunked ones are left out
@@ -239,6 +239,20 @@ def write_datasets_stub(site: Path) -> None:
         f'    raise ImportError("{msg}")\n')
     (site / "datasets" / "distributed.py").write_text(
         f'def split_dataset_by_node(*args, **kwargs):\n    raise ImportError("{msg}")\n')
+
+
+def part_tests(run: Run, timeout: float) -> None:
+    """The suite's CUDA cases (`-m "not slow" -k cuda`: the fused and blocked log-prob passes, bf16 gradients against
+    fp64, the sampler against its oracle and the CPU, the offloaded reference, the metrics' no-sync check)."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-rA", "-p", "no:cacheprovider", "-o", "addopts=", "-n", "0",
+           "-m", "not slow", "-k", "cuda", "tests"]
+    status, detail, output = run.job("CUDA tests", cmd, timeout)
+    lines = output.splitlines()
+    said = [line for line in lines if line.startswith(("cuda", "PASSED", "FAILED", "ERROR", "SKIPPED"))]
+    counts = [line.strip("= ") for line in lines if re.search(r"\d+ (passed|failed|skipped|error)", line)][-1:]
+    run.sections.append("### The suite's CUDA cases (`pytest -m 'not slow' -k cuda`)\n\n"
+                        + "\n".join([f"status: {status if not detail else f'{status}: {detail}'}", *counts, "", "```",
+                                     *said, "```"]))
 
 
 def part_logprob(run: Run, timeout: float) -> None:
@@ -520,7 +534,7 @@ def grpo_summary(steps: dict, status: str, compiled: bool) -> str:
     return "| figure | value |\n|---|---:|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
 
 
-PARTS = {"setup": part_setup, "logprob": part_logprob, "offload": part_offload, "generation": part_generation,
+PARTS = {"setup": part_setup, "tests": part_tests, "logprob": part_logprob, "offload": part_offload, "generation": part_generation,
          "padding_free": part_padding_free, "grpo": part_grpo, "multi_turn": part_multi_turn, "moe": part_moe}
 
 
