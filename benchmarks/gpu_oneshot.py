@@ -1,7 +1,7 @@
-"""One shot on one lent GPU: set-up, the suite's CUDA test cases, the log-prob benchmark, the reference-offload benchmark, generation against
-transformers' generate, padding-free against padded rows (the varlen kernel), a 20-step GRPO run and a
-multi-turn online run with a tool (rows resumed from their KV cache on the device), and a GRPO run on a
-mixture-of-experts flavor.
+"""One shot on one lent GPU: set-up, the suite's CUDA test cases, the log-prob benchmark, the reference-offload
+benchmark, generation against transformers' generate, padding-free against padded rows (the varlen kernel), a
+20-step GRPO run and a multi-turn online run with a tool (rows resumed from their KV cache on the device), and a
+GRPO run on a mixture-of-experts flavor.
 
 Run from the repo root of a copy of the work tree, on a machine with one CUDA GPU and no package
 registry (the device tool's H200: Python 3.12, torch 2.11); the pure-Python packages it lacks travel
@@ -534,8 +534,9 @@ def grpo_summary(steps: dict, status: str, compiled: bool) -> str:
     return "| figure | value |\n|---|---:|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
 
 
-PARTS = {"setup": part_setup, "tests": part_tests, "logprob": part_logprob, "offload": part_offload, "generation": part_generation,
-         "padding_free": part_padding_free, "grpo": part_grpo, "multi_turn": part_multi_turn, "moe": part_moe}
+PARTS = {"setup": part_setup, "tests": part_tests, "logprob": part_logprob, "offload": part_offload,
+         "generation": part_generation, "padding_free": part_padding_free, "grpo": part_grpo,
+         "multi_turn": part_multi_turn, "moe": part_moe}
 
 
 def main(argv=None) -> int:

@@ -38,7 +38,7 @@ from plugin.cpu import hide_unloadable
 hide_unloadable()
 
 # A test parametrized over DEVICES runs on the CPU everywhere and again on CUDA where a GPU is (benchmarks/gpu_oneshot.py's
-# tests part runs those: `-m "not slow" -k cuda`); without one its CUDA case shows as skipped, never as passed.
+# tests part runs those: `-m "not slow" -k cuda`); without a GPU its CUDA case shows as skipped, never as passed.
 CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))
 DEVICES = ["cpu", CUDA]
 
