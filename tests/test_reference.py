@@ -27,9 +27,9 @@ EXPORT_STEPS = 2
 parse = parse_config
 
 
-def build(*overrides):
-    """The GRPO model in this process on CPU, one rank."""
-    return build_model("--parallelism.tensor_parallel_degree", "1", *overrides)
+def build(*overrides, device="cpu"):
+    """The GRPO model in this process, one rank (on the CPU unless `device` says otherwise)."""
+    return build_model("--parallelism.tensor_parallel_degree", "1", *overrides, device=device)
 
 
 def batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,8 +199,8 @@ def test_offloaded_reference_visits_cuda_only_for_its_pass():
     """[reference_model] offload on CUDA: the reference's weights rest in host memory, come to the GPU for its pass
     (which computes the log-probs of a reference that stays there) and leave it afterwards."""
     cuda = torch.device("cuda", torch.cuda.current_device())
-    kept, *_ = build_model("--parallelism.tensor_parallel_degree", "1", device=cuda)
-    offloaded, *_ = build_model("--parallelism.tensor_parallel_degree", "1", "--reference_model.offload", device=cuda)
+    kept, *_ = build(device=cuda)
+    offloaded, *_ = build("--reference_model.offload", device=cuda)
     assert offloaded.reference.offload and not kept.reference.offload
     assert all(p.is_cuda for p in offloaded.parameters())  # the policy stays
     ref = offloaded.reference.module

@@ -70,6 +70,13 @@ class ToolLike:
                 for c in completions]
 
 
+def samples(model, stops, share=slice(None)) -> dict:
+    """The four draws each layout is checked on: cached and oracle, in one turn and with ToolLike's turns."""
+    return dict(cached=draw(model, stops, True, share), oracle=draw(model, stops, False, share),
+                turns_cached=draw(model, stops, True, share, ToolLike()),
+                turns_oracle=draw(model, stops, False, share, ToolLike()))
+
+
 def stop_ids_for(completions: list[list[int]]) -> list[int]:
     """Two tokens drawn part-way through two sequences (and nowhere earlier in them)."""
     picks = []
@@ -87,9 +94,7 @@ def one_rank():
     for name in ("grpo_llama3", "grpo_qwen3"):
         model = build(name)
         stops = stop_ids_for(draw(model, [], kv_cache=True).completions)
-        out[name] = dict(stops=stops, cached=draw(model, stops, True), oracle=draw(model, stops, False),
-                         turns_cached=draw(model, stops, True, turns=ToolLike()),
-                         turns_oracle=draw(model, stops, False, turns=ToolLike()))
+        out[name] = dict(stops=stops, **samples(model, stops))
     return out
 
 
@@ -100,10 +105,7 @@ def _layout_samples(tp, dp, names, stops) -> tuple[dict, dict]:
         model = models[name] = build(name, tp, dp)
         # DP ranks split the prompts unevenly: 5 and 2
         share = slice(None) if dp == 1 else [slice(0, 5), slice(5, None)][dist.get_rank() // tp]
-        results[name] = dict(cached=draw(model, stops[name], True, share),
-                             oracle=draw(model, stops[name], False, share),
-                             turns_cached=draw(model, stops[name], True, share, ToolLike()),
-                             turns_oracle=draw(model, stops[name], False, share, ToolLike()),
+        results[name] = dict(**samples(model, stops[name], share),
                              swapped=[type(m).__name__ for m in model.modules() if isinstance(m, KVCache)])
     return results, models
 
@@ -248,9 +250,7 @@ def test_cached_matches_oracle_on_cuda(name):
     cpu, cuda = build(name), build(name, device="cuda")
     assert next(cuda.parameters()).is_cuda
     stops = stop_ids_for(draw(cuda, [], kv_cache=True).completions)
-    results = dict(cached=draw(cuda, stops, True), oracle=draw(cuda, stops, False),
-                   turns_cached=draw(cuda, stops, True, turns=ToolLike()),
-                   turns_oracle=draw(cuda, stops, False, turns=ToolLike()))
+    results = samples(cuda, stops)
     assert_cached_matches_oracle(results, stops, f"cuda {name}")
     assert_turns_match_oracle(results, stops, f"cuda {name}")
     on_cpu = draw(cpu, stops, True)
