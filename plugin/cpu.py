@@ -177,6 +177,10 @@ def activate() -> bool:
 
     _moe_on_cpu()
 
+    # A gloo group's worker threads race on its status string and can corrupt the heap (entry 10 of
+    # plugin.runtime.internals): one worker thread a group, from the first group torchtitan makes.
+    internals.gloo_one_worker()
+
     _active = True
     return True
 

@@ -57,7 +57,7 @@ def _launches(fn, seen: set) -> bool:
         return False
     names = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
     # a test may import them inside its body ("from conftest import run_ranks"): those names are not module globals
-    return bool(names & {"torchrun", "torchrun_jobs", "run_ranks"}) or any(_launches(fn.__globals__.get(name), seen) for name in names)
+    return bool(names & {"torchrun", "torchrun_jobs", "run_ranks", "ranks_result"}) or any(_launches(fn.__globals__.get(name), seen) for name in names)
 
 
 # The files that take longest (docs/architecture.md's table), in that order: pytest-xdist's 2 workers (pyproject's

@@ -1,10 +1,13 @@
+import ctypes
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -210,3 +213,51 @@ def test_exit_before_shutdown_is_armed_only_in_its_entry_module():
     # pytest's own process is not torchtitan.train's: arming here would end pytest with status 0 whatever it found
     assert plugin.cpu.is_active() or plugin.cpu.activate()
     assert not plugin.cpu.exit_before_shutdown()
+
+
+def _hammer_gloo_groups(rank, world_size, out):
+    """Async all-gathers and all-reduces over two gloo groups: one the plugin made (one worker thread), one made by
+    torch's own constructor (two workers); the shim preloaded by the test counts, per group, the name copies it
+    widened and those that would have written into a block freed meanwhile."""
+    from torch.distributed import ProcessGroupGloo
+
+    patched = ProcessGroupGloo.__init__
+    fixed = dist.new_group([0, 1])
+    ProcessGroupGloo.__init__ = patched.__wrapped__
+    try:
+        bare = dist.new_group([0, 1])
+    finally:
+        ProcessGroupGloo.__init__ = patched
+    shim = ctypes.CDLL(os.environ["LD_PRELOAD"])
+    shim.gloo_race_copies.restype = shim.gloo_race_hits.restype = ctypes.c_long
+    counts = {}
+    for name, group in (("plugin", fixed), ("torch", bare)):
+        copies, hits = shim.gloo_race_copies(), shim.gloo_race_hits()
+        for _ in range(100):
+            # an all-gather's name (ALLGATHER_COALESCED) takes a heap buffer, an all-reduce's is copied into it
+            pending = [c for _ in range(2) for c in (funcol.all_gather_tensor(torch.ones(2), 0, group),
+                                                     funcol.all_reduce(torch.ones(2), "sum", group))]
+            for tensor in pending:
+                torch.ops._c10d_functional.wait_tensor(tensor)
+        counts[name] = {"workers": group._get_backend(torch.device("cpu")).options._threads,
+                        "copies": shim.gloo_race_copies() - copies, "hits": shim.gloo_race_hits() - hits}
+    if rank == 0:
+        torch.save(counts, out)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="the reproducer's shim needs a C compiler")
+def test_gloo_groups_run_one_worker_so_their_status_string_has_one_writer(tmp_path, tmp_path_factory, monkeypatch):
+    # tests/gloo_race_shim.c widens the race in torch's gloo worker loop (entry 10 of plugin.runtime.internals) from a
+    # few instructions to 200 us and skips the copy that would corrupt the heap: with torch's two workers a group
+    # meets it within a few hundred collectives (and without the skip, the README's TP=2 command aborted with
+    # glibc's "malloc(): unaligned tcache chunk detected" in its first step); with the plugin's one worker, never
+    from conftest import REPO, ranks_result
+
+    shim = tmp_path / "gloo_race_shim.so"
+    subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-fno-builtin", "-o", str(shim),
+                    str(REPO / "tests" / "gloo_race_shim.c"), "-ldl"], check=True)
+    monkeypatch.setenv("LD_PRELOAD", str(shim))  # the spawned ranks start with it
+    counts = ranks_result(tmp_path_factory, "gloo_race", 2, _hammer_gloo_groups)
+    assert counts["plugin"]["workers"] == 1 and counts["torch"]["workers"] == 2, counts
+    assert counts["plugin"]["copies"] >= 150 and counts["plugin"]["hits"] == 0, counts
+    assert counts["torch"]["hits"] > 0, counts

@@ -176,3 +176,30 @@ def test_entry_9_atexit_run_exitfuncs():
     # the handler ran once, when called, and not again at the exit
     assert done.returncode == 0 and done.stdout == "handler ran\nafter\n", (
         f"entry 9: atexit._run_exitfuncs no longer runs and clears the handlers: {done.stdout!r} {done.stderr[-500:]!r}")
+
+
+def test_entry_10_gloo_worker_threads():
+    import datetime
+
+    from torch.distributed import HashStore, PrefixStore, ProcessGroupGloo
+
+    internals.gloo_one_worker()
+    internals.gloo_one_worker()  # once is enough: a second call does not wrap the wrapper
+    assert not getattr(ProcessGroupGloo.__init__.__wrapped__, "one_worker", False), "entry 10: the constructor was wrapped twice"
+    default = ProcessGroupGloo._Options()
+    assert default._threads == 2, f"entry 10: a gloo group's options default to {default._threads} worker threads now"
+    store = HashStore()
+    options = ProcessGroupGloo._Options()
+    options._threads, options._timeout = 4, datetime.timedelta(seconds=3)
+    options._devices = [ProcessGroupGloo.create_default_device()]
+    # each of the constructor's spellings, as torch's own callers use them (distributed_c10d passes timeout=)
+    for key, args, kwargs, timeout in (("none", (), {}, datetime.timedelta(minutes=30)),
+                                       ("positional", (datetime.timedelta(seconds=7),), {}, datetime.timedelta(seconds=7)),
+                                       ("keyword", (), {"timeout": datetime.timedelta(seconds=9)}, datetime.timedelta(seconds=9)),
+                                       ("options", (options,), {}, datetime.timedelta(seconds=3))):
+        group = ProcessGroupGloo(PrefixStore(key, store), 0, 1, *args, **kwargs)
+        assert group.options._threads == 1, f"entry 10: a group built with {key} arguments runs {group.options._threads} workers"
+        assert group.options._timeout == timeout and len(group.options._devices) == 1, key
+        group.allreduce([torch.ones(1)]).wait()  # and it works
+    with pytest.raises(TypeError, match="unexpected arguments"):
+        ProcessGroupGloo(PrefixStore("bad", store), 0, 1, threads=2)

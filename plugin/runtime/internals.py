@@ -45,6 +45,16 @@ test per entry that fails naming the entry when torch changes it.
    multiprocessing's and torch's clean-ups) run later than it, in registration's reverse order, and `os._exit`
    would skip them; this runs them first. The atexit module has no public call that runs them. Checked on
    CPython 3.11 (the package supports 3.11 and 3.12; both have it).
+10. `ProcessGroupGloo._Options._threads` (with `_timeout` and `_devices`; `gloo_one_worker`, CPU only): a gloo
+   process group runs its collectives on `_threads` worker threads (2 by default), and after each collective a
+   worker writes the collective's name into the group's status (`ProcessGroupStatus.lastCompletedWorkName`, a
+   `std::string`) without a lock (torch 2.11-2.13's `ProcessGroupGloo::runLoop`, read from its machine code). Two
+   workers finishing at once race on that string: one frees the buffer of a long name (`ALLGATHER_COALESCED`, a
+   functional all-gather's) while the other copies a short one (`ALLREDUCE`) into it, which corrupts the heap
+   (glibc: "malloc(): unaligned tcache chunk detected", or a segfault in a later malloc). With one worker there is
+   one writer. The number of workers is an option of the constructor only, and `init_process_group` and
+   `new_group` build gloo groups without passing options; so the constructor is wrapped to force one worker.
+   docs/reliability.md has the reproducer.
 """
 
 from contextlib import contextmanager
@@ -140,3 +150,34 @@ def run_exit_handlers() -> None:
     import atexit
 
     atexit._run_exitfuncs()
+
+
+def gloo_one_worker() -> None:
+    """Every gloo process group made from now on runs its collectives on one worker thread (entry 10)."""
+    import datetime
+    import os
+
+    from torch.distributed import ProcessGroupGloo
+
+    if getattr(ProcessGroupGloo.__init__, "one_worker", False):
+        return
+    construct = ProcessGroupGloo.__init__
+
+    def __init__(self, store, rank, size, options_or_timeout=None, **kwargs):
+        options = kwargs.pop("options", options_or_timeout)
+        if not isinstance(options, ProcessGroupGloo._Options):
+            # what the constructor with a timeout builds: the devices GLOO_SOCKET_IFNAME names, or the default one
+            timeout = kwargs.pop("timeout", options_or_timeout)
+            options = ProcessGroupGloo._Options()
+            options._timeout = datetime.timedelta(minutes=30) if timeout is None else timeout
+            interfaces = os.environ.get("GLOO_SOCKET_IFNAME", "")
+            options._devices = ([ProcessGroupGloo.create_device(interface=name) for name in interfaces.split(",")]
+                                if len(interfaces) > 1 else [ProcessGroupGloo.create_default_device()])
+        if kwargs:
+            raise TypeError(f"ProcessGroupGloo() got unexpected arguments {sorted(kwargs)}")
+        options._threads = 1
+        construct(self, store, rank, size, options)
+
+    __init__.one_worker = True
+    __init__.__wrapped__ = construct  # torch's own, for the test that shows the race
+    ProcessGroupGloo.__init__ = __init__
