@@ -1,5 +1,6 @@
 #!/bin/bash
-# Hunting the rare heap corruption of TP=2 runs over gloo (docs/reliability.md): the README's main command
+# Hunting rare crashes of TP=2 runs over gloo (docs/reliability.md; the heap corruption it caught on 2026-12-05 was
+# gloo's status-string race, worked around since, and tests/gloo_race_shim.c reproduces it): the README's main command
 # (TP=2, 1 thread a rank), 600 steps a run, again and again until SECONDS have passed, in stream N (run two
 # streams at once, as on 2026-12-05, for 4 ranks on 2 cores). Core dumps are on, so a rank that aborts or
 # segfaults leaves a core, and gdb writes every thread's native stack beside it. Extra torchtitan flags
