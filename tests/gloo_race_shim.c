@@ -12,9 +12,11 @@
 // window of a few instructions into one that another worker's collective can finish in. If the destination's
 // first 8 bytes changed while it waited (freeing a block writes its list link there), the copy is counted,
 // reported on stderr and skipped, so the heap stays intact; with GLOO_RACE_SKIP=0 it is made all the same, and
-// the process crashes as CI's did. gloo_race_copies() and gloo_race_hits() read the counts (ctypes).
+// the process crashes as CI's did. gloo_race_copies() and gloo_race_hits() read the counts (ctypes); with
+// GLOO_RACE_LOG=FILE, each process also appends its counts there at every 100th widened copy and at every hit.
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <fcntl.h>
 #include <link.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -26,10 +28,21 @@ static void *(*libc_memcpy)(void *, const void *, size_t);
 static uintptr_t loop_start, loop_end;  // ProcessGroupGloo::runLoop's machine code, once libtorch_cpu is loaded
 static unsigned delay_us = 200;
 static int skip = 1;
+static const char *log_path;
 static long calls, copies, hits;
 
 long gloo_race_copies(void) { return copies; }
 long gloo_race_hits(void) { return hits; }
+
+static void log_counts(void) {
+  if (!log_path) return;
+  char line[120];
+  int len = snprintf(line, sizeof line, "pid %d copies %ld hits %ld\n", (int)getpid(), copies, hits);
+  int fd = open(log_path, O_WRONLY | O_APPEND | O_CREAT, 0644);
+  if (fd < 0) return;
+  if (write(fd, line, len) < 0) {}
+  close(fd);
+}
 
 static void find_run_loop(void) {
   void *lib = dlopen("libtorch_cpu.so", RTLD_NOW | RTLD_NOLOAD);
@@ -42,6 +55,7 @@ static void find_run_loop(void) {
   if (us) delay_us = (unsigned)atoi(us);
   const char *sk = getenv("GLOO_RACE_SKIP");
   if (sk) skip = atoi(sk);
+  log_path = getenv("GLOO_RACE_LOG");
   loop_end = (uintptr_t)fn + sym->st_size;
   __atomic_store_n(&loop_start, (uintptr_t)fn, __ATOMIC_RELEASE);
 }
@@ -67,7 +81,8 @@ void *memcpy(void *dst, const void *src, size_t n) {
   uintptr_t caller = (uintptr_t)__builtin_return_address(0);
   if (caller >= start && caller < loop_end && n >= 8) {
     uint64_t before = *(volatile uint64_t *)dst;
-    __atomic_add_fetch(&copies, 1, __ATOMIC_RELAXED);
+    long c = __atomic_add_fetch(&copies, 1, __ATOMIC_RELAXED);
+    if (c % 100 == 0) log_counts();
     usleep(delay_us);
     if (*(volatile uint64_t *)dst != before) {
       long k = __atomic_add_fetch(&hits, 1, __ATOMIC_RELAXED);
@@ -75,6 +90,7 @@ void *memcpy(void *dst, const void *src, size_t n) {
       int len = snprintf(msg, sizeof msg, "gloo_race_shim: pid %d: a %zu-byte name copy of runLoop met a block freed "
                          "while it waited (%ld so far)%s\n", (int)getpid(), n, k, skip ? ", skipped" : "");
       if (write(2, msg, len) < 0) {}
+      log_counts();
       if (skip) return dst;  // the block was freed meanwhile: writing it would corrupt the heap
     }
   }
