@@ -406,11 +406,10 @@ def run(seed: Path, nproc: int, *extra: str, steps: int = 3, config: str = CONFI
 
 
 def train_runs(tmp_path_factory, runs: dict[str, Run], resumes: dict[str, Run] | None = None,
-               failing: dict[str, tuple[int, list[str]]] | None = None,
-               one_rank_apart: bool = False) -> dict[str, Path]:
+               failing: dict[str, tuple[int, list[str]]] | None = None) -> dict[str, Path]:
     """Every run's dump folder; runs on the same number of ranks with the same environment share one launch, and the
     1-rank runs go last in the smallest launch of several ranks with their environment, on its rank 0 alone, where
-    there is one (tests/run_jobs.py's `nproc`: a launch's start-up is paid once), unless `one_rank_apart`.
+    there is one (tests/run_jobs.py's `nproc`: a launch's start-up is paid once).
     `resumes`: for a run's name, a run that continues it from its last checkpoint (its dump), after it in the launch.
     `failing`: for a name, (ranks, `-m torchtitan.train` arguments) of a job that must stop with an error, after the
     runs of its rank count with no environment added; its value is then a file holding that job's rank-0 log, and
@@ -421,7 +420,7 @@ def train_runs(tmp_path_factory, runs: dict[str, Run], resumes: dict[str, Run] |
         launches[r.nproc, r.env].append((name, {"argv": ["--job.config_file", r.config, *r.overrides(dumps[name])]}))
     for name, (nproc, argv) in (failing or {}).items():
         launches[nproc, ()].append((name, {"argv": argv, "fails": True}))
-    for env in {env for nproc, env in launches if nproc == 1 and not one_rank_apart}:
+    for env in {env for nproc, env in launches if nproc == 1}:
         wider = sorted(nproc for nproc, e in launches if e == env and nproc > 1)
         if wider:
             launches[wider[0], env] += [(name, {**job, "nproc": 1}) for name, job in launches.pop((1, env))]

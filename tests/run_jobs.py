@@ -12,7 +12,8 @@ whose process group waits for them all. Every job runs
 as torchtitan.train's `main` runs it: its own config, Trainer, process group and seed; torchtitan's
 seed-checkpoint mode too. Each job's log starts with a "run_jobs: job N of M" line. What a job
 shares with the one before is the process: imports, the inductor cache on disk, and memory already
-taken from the system (a launch's memory figures are its own only in a launch of its own).
+taken from the system (a launch's memory figures are its own only in a launch of its own); what a job
+changes in the process for the next (compiled graphs, torchtitan's compiled MoE experts) is undone after it.
 
 Why: a launch spends most of a short test run starting up (seen here: 11 of 16 s for a 2-step
 2-rank run, the two ranks importing torchtitan on 2 cores), so one launch checks several runs.
@@ -30,10 +31,15 @@ import torch
 import torch.distributed as dist
 import torchtitan.train
 from torchtitan.config import ConfigManager
+from torchtitan.models.moe import moe as torchtitan_moe
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.train import Trainer
 
 _init_process_group = dist.init_process_group
+# torchtitan's apply_compile replaces this module-level function with a compiled one for the rest of the process
+# ("patch some globals only once", models/llama4/infra/parallelize.py, which qwen3 uses): an eager MoE job after a
+# compiled one ran its experts compiled, and its gradients moved at 1e-7 relative (test_moe's 1-rank runs, 2026-12-05)
+_EXPERTS_GROUPED_MM = torchtitan_moe._run_experts_grouped_mm
 
 
 class _NoSleep:
@@ -103,6 +109,7 @@ def clean_up() -> None:
         dist.destroy_process_group()
     gc.collect()
     torch.compiler.reset()  # the next job compiles its own graphs, as a launch of its own would
+    torchtitan_moe._run_experts_grouped_mm = _EXPERTS_GROUPED_MM  # and runs its experts eagerly unless it compiles
 
 
 def main() -> None:

@@ -74,11 +74,7 @@ def runs(tmp_path_factory, seed_checkpoints):
     runs["resume_straight"] = run(seed, 1, *MOE, *RESUME, steps=4, config=online)
     runs["resume_split"] = run(seed, 1, *MOE, *RESUME, steps=3, config=online)
     resumes = {"resume_split": run(seed, 1, *MOE, *RESUME, steps=4, config=online)}
-    # the 1-rank runs keep a launch of their own: on rank 0 of the 2-rank launch, after its jobs, they trained apart
-    # from a fresh process's run from step 2, beyond the layouts' 1e-4 (seen 2026-12-05: step 3's loss 0.0278483
-    # against 0.0278523 alone and 0.0278523 at FSDP=2); the cause, state that an earlier job leaves in the process,
-    # was not found
-    dumps = train_runs(tmp_path_factory, runs, resumes, one_rank_apart=True)
+    dumps = train_runs(tmp_path_factory, runs, resumes)
     return {name: scalars(dump) for name, dump in dumps.items()}
 
 
