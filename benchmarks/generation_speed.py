@@ -70,7 +70,7 @@ def measure(sampler, prompts, keys, repeats: int):
 
 
 def run(args) -> list[dict]:
-    from plugin.generation.sampler import build_sampler
+    from plugin.generation.engine import build_sampler
 
     torch.set_num_threads(args.threads)
     budgets = [int(n) for n in args.new_tokens.split(",")]

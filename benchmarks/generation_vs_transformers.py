@@ -149,7 +149,7 @@ def timed(fn):
 
 
 def ours(model, prompts, keys, new_tokens: int, stop_ids: list[int]):
-    from plugin.generation.sampler import build_sampler
+    from plugin.generation.engine import build_sampler
 
     sampler = build_sampler(model, kv_cache=True, max_new_tokens=new_tokens, stop_ids=stop_ids, temperature=1.0,
                             pad_id=0)
@@ -180,7 +180,7 @@ def row(workload, engine, args, batch, prompt_len, group, new_tokens, completion
 
 def profile(model, prompts, keys, new_tokens: int) -> dict[str, float]:
     """Our decode steps' CPU seconds in the layers, the output layer, sampling and the rest (prefill left out)."""
-    from plugin.generation import sampler as sampler_module
+    from plugin.generation import engine as sampler_module
 
     spent = dict(layers=0.0, output=0.0, sampling=0.0, prefill=0.0)
     hooks = []

@@ -136,7 +136,8 @@ def heldout_accuracy(model: torch.nn.Module, path: Path = COMPARE_HELDOUT, sampl
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
     from plugin.example import reward
-    from plugin.generation.sampler import build_sampler, generation_mode
+    from plugin.generation.engine import build_sampler
+    from plugin.generation.sampler import generation_mode
 
     tokenizer = HuggingFaceTokenizer(str(REPO / "plugin/assets/tokenizer"))
     prompts = [json.loads(line)["prompt"] for line in open(path, encoding="utf-8")]

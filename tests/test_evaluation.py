@@ -12,7 +12,8 @@ from torchtitan.components.tokenizer import HuggingFaceTokenizer
 from conftest import REPO, build_model, parse_config
 from plugin.data.evaluation import EVAL_BATCH, GRPOEvaluator, build_grpo_evaluator
 from plugin.data.online import sample_key
-from plugin.generation.sampler import Samples, build_sampler
+from plugin.generation.engine import build_sampler
+from plugin.generation.sampler import Samples
 from test_data import write
 
 

@@ -203,3 +203,21 @@ def test_entry_10_gloo_worker_threads():
         group.allreduce([torch.ones(1)]).wait()  # and it works
     with pytest.raises(TypeError, match="unexpected arguments"):
         ProcessGroupGloo(PrefixStore("bad", store), 0, 1, threads=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_entry_11_onednn_packed_linear(dtype):
+    """A weight packed once multiplies as F.linear does, for batches of other sizes than the packing's hint."""
+    g = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(37, 29, generator=g).to(dtype), torch.randn(37, generator=g).to(dtype)
+    try:
+        packed = internals.onednn_pack_linear(weight, 64)
+    except (AttributeError, RuntimeError) as e:
+        pytest.fail(f"entry 11: torch.ops.mkldnn._reorder_linear_weight is gone or changed: {e}")
+    for rows in (1, 5, 64, 130):
+        x = torch.randn(rows, 29, generator=g).to(dtype)
+        for b in (None, bias):
+            got = internals.onednn_linear(x, packed, b)
+            tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+            torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, b), **tol,
+                                       msg=lambda m: f"entry 11: mkldnn._linear_pointwise differs from F.linear: {m}")

@@ -384,7 +384,7 @@ def test_replay_routes_the_trainer_as_the_sampler_did_where_their_routers_disagr
     trainer's own scores as gate weights) gives them back to fp32 rounding. The cached sampler, the no-cache oracle
     and a resumed tool turn capture the same routing."""
     from conftest import build_model
-    from plugin.generation.sampler import build_sampler
+    from plugin.generation.engine import build_sampler
 
     model, *_ = build_model(*MOE, "--training.seq_len", "32")
     routing = model.routing

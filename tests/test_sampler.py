@@ -16,7 +16,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from conftest import build_model, run_ranks
-from plugin.generation.sampler import KVCache, KVCacheSampler, NoCacheSampler, build_sampler
+from plugin.generation.engine import KVCacheSampler, SlotAttention, build_sampler
+from plugin.generation.sampler import NoCacheSampler
 from plugin.generation.sampling import _mix, _mix32, gumbel, pick, row_seeds, sample, shard_candidates
 
 SEQ_LEN = 48  # the RoPE table: [training] seq_len
@@ -106,7 +107,7 @@ def _layout_samples(tp, dp, names, stops) -> tuple[dict, dict]:
         # DP ranks split the prompts unevenly: 5 and 2
         share = slice(None) if dp == 1 else [slice(0, 5), slice(5, None)][dist.get_rank() // tp]
         results[name] = dict(**samples(model, stops[name], share),
-                             swapped=[type(m).__name__ for m in model.modules() if isinstance(m, KVCache)])
+                             swapped=[type(m).__name__ for m in model.modules() if isinstance(m, SlotAttention)])
     return results, models
 
 
@@ -488,6 +489,7 @@ def test_prompt_too_long_for_rope_table_names_it():
 def test_modules_restored_after_a_failed_step():
     model = build("grpo_llama3")
     inner = [type(b.attention.inner_attention) for b in model.layers.values()]
+    modules = [(name, type(m)) for name, m in model.named_modules()]  # the packed linears (CPU) go back too
     calls = 0
 
     def fail_at_third_step(module, args, kwargs):
@@ -501,6 +503,7 @@ def test_modules_restored_after_a_failed_step():
         draw(model, [], kv_cache=True)
     handle.remove()
     assert [type(b.attention.inner_attention) for b in model.layers.values()] == inner
+    assert [(name, type(m)) for name, m in model.named_modules()] == modules
     assert torch.is_grad_enabled()
 
 
@@ -725,10 +728,9 @@ def test_generation_runs_in_the_trainers_autocast_dtype(llama):
     the cached sampler still follows the oracle under it."""
     model, base = llama
     seen = []
-    handles = [model.output.register_forward_hook(lambda m, a, out: seen.append(("logits", out.dtype))),
+    handles = [model.register_forward_hook(lambda m, a, out: seen.append(("logits", out.dtype))),
                model.layers["0"].attention.register_forward_pre_hook(
-                   lambda m, a: seen.append(("cache", getattr(m.inner_attention, "k", None) is not None
-                                             and m.inner_attention.k.dtype)))]
+                   lambda m, a: seen.append(("cache", _cache_dtype(m))))]
     bf16 = dict(autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
     try:
         cached = _sampler(model, base["stops"], **bf16).generate(prompts(), KEYS)
@@ -742,6 +744,14 @@ def test_generation_runs_in_the_trainers_autocast_dtype(llama):
     # bf16 rounds cached and full forwards differently: a near-tie may flip, the log-probs differ by bf16's rounding
     assert mismatch_fraction(cached, oracle) <= 2 / len(PROMPT_LENS)
     assert max_logprob_diff(cached, oracle) <= 0.05
+
+
+def _cache_dtype(attention) -> torch.dtype | bool:
+    """The dtype of an attention's KV cache while the engine generates (False: none allocated, or not generating)."""
+    inner = attention.inner_attention
+    if not isinstance(inner, SlotAttention) or inner.pool.layers[inner.layer] is None:
+        return False
+    return inner.pool.layers[inner.layer][0].dtype
 
 
 def _dtypes(layout):
@@ -763,8 +773,7 @@ def _dtypes(layout):
     local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
     last.register_forward_hook(lambda m, a, o: seen.append(("layer", local(o).dtype)))
     last.attention.register_forward_pre_hook(
-        lambda m, a: seen.append(("cache", getattr(m.inner_attention, "k", None) is not None
-                                  and m.inner_attention.k.dtype)))
+        lambda m, a: seen.append(("cache", _cache_dtype(m))))
     cfg = parse_config(*flags)
     sampler = online_sampler(model, cfg, pd, stop_ids=[], temperature=TEMPERATURE, pad_id=PAD)
     sampler.generate(prompts()[:3], KEYS[:3])

@@ -208,7 +208,7 @@ def test_torchtitan_logits_match_transformers(titan_model, oracle_tok, oracle_mo
 def test_sampler_and_trainer_logprobs_match_transformers(titan_model, oracle_tok, oracle_model, kv_cache, temperature):
     """The sampler's log-prob of each drawn token, and the trainer's (policy.logprobs), against transformers'
     log-softmax of logits / T of the same weights on the same tokens, fp32; prompts of different lengths share a batch."""
-    from plugin.generation.sampler import build_sampler
+    from plugin.generation.engine import build_sampler
 
     prompts = chat_ids(oracle_tok)[:2]
     sampler = build_sampler(titan_model, kv_cache=kv_cache, max_new_tokens=6, stop_ids=[2], temperature=temperature,

@@ -42,7 +42,7 @@ from plugin.data.prompts import Prompt, load_prompts, resolve_stop_ids
 from plugin.data.rewards import load_reward_fns, score_completions
 from plugin.data.rollouts import Completion, RolloutError
 from plugin.data.turns import ToolFigures, ToolSetup, build_tool_setup
-from plugin.generation.sampler import build_sampler
+from plugin.generation.engine import build_sampler
 from plugin.job import GRPOJob
 from plugin.runtime.stats import OnlineStats
 

