@@ -199,13 +199,13 @@ class Online:
     """Sample with a KV cache (one token per decode step); false runs the no-cache oracle, a full forward per token."""
 
     max_num_seqs: int = 0
-    """Most sequences a rank decodes at once (vLLM's max_num_seqs): more are sampled in several calls, which bounds the KV cache; 0 = no cap."""
+    """Most sequences a rank decodes at once (vLLM's max_num_seqs): the built-in engine's KV cache slots, each of [training] seq_len + 1 positions, allocated once; more rows wait in its queue and take a slot when one frees. 0 = as many as the largest call's rows. A multiple of the TP degree is used (TP shards the rows)."""
 
     stop_check_every: int = 8
-    """Decode steps between stop checks, the decode loop's only host syncs: finished sequences leave the batch there."""
+    """Decode steps between stop checks, the decode loop's only host syncs: finished sequences leave their slots there and queued ones take them."""
 
     compile_decode: bool = False
-    """Run the cached sampler's decode step under torch.compile (static shapes: the whole cache, masked; row counts in powers of two)."""
+    """Run the built-in engine's decode step under torch.compile, compiled once per row-count bucket (powers of two) for the run: the whole cache attended, masked. On CPU eager is faster (packed linear weights; docs/engine.md)."""
 
     log_completions: bool = False
     """Write every sampled completion, its prompt and rewards to <dump_folder>/completions/batch-<n>-dp<r>.jsonl."""
@@ -481,9 +481,8 @@ def check_vllm(job_config) -> None:
                          "set 0")
     if cpu.is_active() and o.vllm_enable_sleep_mode:
         raise ValueError("[online] vllm_enable_sleep_mode = true needs a GPU: CPU vLLM has no sleep mode")
-    from plugin.generation.vllm import engine_config  # raises for a model vLLM cannot run
-
-    engine_config(job_config)
+    # whether vLLM can run the model is checked where the engine is described (plugin.generation.vllm's
+    # engine_config), when the online dataset is built at start-up
 
 
 def check_expert_parallel(job_config) -> None:

@@ -11,6 +11,7 @@ So what they share is one `GRPOJob`, made by the first builder that asks for it
 | online_stats   | the online dataset's builder         | the metrics processor                                |
 | policy, parallel_dims | the parallelize function      | the online dataset, which samples from the policy    |
 | vllm           | the first [online] use_vllm sampler  | training's and evaluation's samplers; the metrics processor closes it |
+| kv_pool        | the first built-in sampler           | training's and evaluation's samplers (one KV cache); the metrics processor |
 
 The optimizer builder gets the policy from torchtitan and its reference and stats from it.
 """
@@ -29,6 +30,7 @@ class GRPOJob:
         self.policy = None  # the parallelized policy, once built
         self.parallel_dims = None
         self.vllm = None  # [online] use_vllm: this rank's engine (plugin.generation.vllm), built at the first generation
+        self.kv_pool = None  # the built-in engine's KV cache (plugin.generation.engine.KVPool), made with its sampler
 
     @staticmethod
     def of(job_config) -> "GRPOJob":

@@ -129,12 +129,28 @@ def _layout_worker(rank, world_size, layout, names, stops, out):
     if layout == (1, 2):
         _train_after_generation(rank)
         extra["train_after_generation"] = "passed"
+        extra["own_queues"] = _own_queues(models["grpo_llama3"], stops["grpo_llama3"], rank)
     if tp > 1:  # the vLLM sync's tensors on this layout, asserted on every rank (no vLLM needed)
         extra["vllm_shards"] = _vllm_shards(models["grpo_llama3"])
     gathered = [None] * world_size
     dist.all_gather_object(gathered, results)
     if rank == 0:
         torch.save({"per_rank": gathered, **extra}, out)
+
+
+def _own_queues(model, stops, rank) -> dict:
+    """FSDP=2 without lockstep (the online sampler's setting without EP): each rank decodes its own share (rank 0
+    prompts 0-4, rank 1 prompt 1 alone, which stops after 5 tokens) with no collective after the parameters are
+    gathered, so their forwards differ in number; and the compiled decode step, under FSDP's gathered parameters."""
+    share = [slice(0, 5), slice(1, 2)][rank]
+    forwards = []
+    handle = model.register_forward_pre_hook(lambda m, args: forwards.append(args[0].shape[1]))
+    own = _sampler(model, stops, lockstep=False, check_every=1).generate(prompts()[share], KEYS[share])
+    handle.remove()
+    compiled = _sampler(model, stops, compile_decode=True).generate(prompts()[share], KEYS[share])
+    counts = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, len(forwards))
+    return {"own": own, "compiled": compiled, "forwards": counts}
 
 
 def _vllm_shards(model) -> dict:
@@ -334,6 +350,21 @@ def test_cached_matches_oracle_tp2(tp2, one_rank, name):
     assert_turns_match_oracle(tp2[name], one_rank[name]["stops"], f"TP=2 {name}")
     assert tp2[name]["tp_peers_agree"]
     assert tp2[name]["swapped"] == 0  # every inner_attention restored
+
+
+@pytest.mark.slow
+def test_fsdp2_ranks_decode_their_own_queues_and_compile(fsdp2, one_rank):
+    """FSDP=2, llama3, rank 0's share: without lockstep the ranks ran different numbers of forwards (each its own
+    queue) and drew the 1-rank tokens; the compiled decode step under FSDP drew them too."""
+    got, base = fsdp2["own_queues"], one_rank["grpo_llama3"]["cached"]
+    assert got["forwards"][0] != got["forwards"][1], got["forwards"]
+    for what in ("own", "compiled"):
+        assert got[what].completions == base.completions[:5], what
+        assert max_logprob_diff(got[what], _part(base, slice(0, 5))) <= LOGPROB_ATOL, what
+
+
+def _part(samples, share):
+    return type(samples)(samples.completions[share], samples.logprobs[share], samples.truncated[share])
 
 
 @pytest.mark.slow

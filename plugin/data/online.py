@@ -42,7 +42,7 @@ from plugin.data.prompts import Prompt, load_prompts, resolve_stop_ids
 from plugin.data.rewards import load_reward_fns, score_completions
 from plugin.data.rollouts import Completion, RolloutError
 from plugin.data.turns import ToolFigures, ToolSetup, build_tool_setup
-from plugin.generation.engine import build_sampler
+from plugin.generation.engine import KVPool, build_sampler
 from plugin.job import GRPOJob
 from plugin.runtime.stats import OnlineStats
 
@@ -84,9 +84,14 @@ def online_sampler(policy, job_config, parallel_dims, *, stop_ids: list[int], te
     # the training forward's autocast (none under FSDP, whose parameters are already in the compute dtype)
     amp = maybe_enable_amp(parallel_dims, job_config.training.mixed_precision_param,
                            next(policy.parameters()).device.type)
+    job = GRPOJob.of(job_config)
+    if job.kv_pool is None:  # one cache for the run: training's and evaluation's samplers share it
+        job.kv_pool = KVPool(policy.model_args.max_seq_len + 1)
+    # only TP peers' forwards talk, and they hold the same rows, but EP's all-to-alls span the data-parallel ranks
     return build_sampler(policy, kv_cache=cfg.kv_cache, max_new_tokens=cfg.max_new_tokens, stop_ids=stop_ids,
                          temperature=temperature, pad_id=pad_id, max_num_seqs=cfg.max_num_seqs,
-                         check_every=cfg.stop_check_every, compile_decode=cfg.compile_decode, autocast=lambda: amp)
+                         check_every=cfg.stop_check_every, compile_decode=cfg.compile_decode, autocast=lambda: amp,
+                         pool=job.kv_pool, lockstep=parallel_dims.ep_enabled)
 
 
 def sample_key(seed: int, batch: int, position: int, member: int) -> int:
@@ -262,6 +267,8 @@ class OnlineDataset(IterableDataset, Stateful):
                 routing.capturing_samples(routing.replay == "R3") if routing is not None else nullcontext():
             samples = self.sampler.generate([p.ids for p in mine], keys, turns)
         gen_time, gen_peak = time.perf_counter() - start, memory.peak
+        if self.job.kv_pool is not None:
+            self.stats.kv_cache_bytes = self.job.kv_pool.bytes()
 
         messages, tools = turns.finish(samples.completions) if turns else (None, None)
         texts, totals, per_fn = score_completions(self.reward_fns, self.tp_group, self.tokenizer, self.stop_ids, mine,
@@ -339,6 +346,10 @@ def build_online_dataset(job_config, job: GRPOJob, tokenizer, encoder, batching)
     if grpo.group_size not in (0, G):
         raise ValueError(f"[grpo] group_size = {grpo.group_size} differs from [online] num_generations = {G}; "
                          "set [grpo] group_size = 0 (or to the same value) in online mode")
+    if online.use_vllm:
+        from plugin.generation.vllm import engine_config
+
+        engine_config(job_config)  # raises, at start-up, for a model vLLM cannot run
     stop_ids = resolve_stop_ids(online, tokenizer, encoder.vocab_size)
     reward_fns = load_reward_fns(online.reward_funcs, online.reward_weights)
     tools = build_tool_setup(online, encoder, tokenizer, stop_ids)

@@ -182,10 +182,6 @@ class _BaseSampler:
         self.stop_ids, self.max_num_seqs, self.check_every = list(stop_ids), max_num_seqs, check_every
         self.autocast, self.compile_decode = autocast, compile_decode
         self._capture = None  # plugin.model.moe.Capture of the call in progress, when the routing is captured
-        if compile_decode and any(isinstance(m, FSDPModule) for m in model.modules()):
-            # the compiled step would trace FSDP's hooks, which generation_mode keeps eager; not built yet
-            raise NotImplementedError("[online] compile_decode with FSDP (data_parallel_shard_degree > 1): "
-                                      "use it on one rank or TP only")
         self.tp = model.scoring.seq_shards  # sequence parallel shards the sequence dim over the TP ranks
         self.max_seq_len = model.model_args.max_seq_len  # the RoPE table's length
         self.device = next(model.parameters()).device

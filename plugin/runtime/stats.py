@@ -173,6 +173,7 @@ class OnlineStats:
     def __init__(self, reward_names: list[str], filter_groups: bool = False, tools: bool = False):
         self.reward_names, self.filter_groups, self.tools = reward_names, filter_groups, tools
         self.since = time.perf_counter()  # wall time since the last log: the share's denominator
+        self.kv_cache_bytes = 0  # the built-in engine's KV cache on this rank (allocated once; all ranks alike)
         self._clear()
 
     def _clear(self) -> None:
@@ -226,6 +227,7 @@ class OnlineStats:
             "online/generation_share": self.gen_time / wall if wall > 0 else 0.0,
             # next to torchtitan's memory/max_active(GiB), the training step's
             "online/generation_peak_memory(GiB)": self.gen_peak / GIB,
+            "online/kv_cache_GiB": self.kv_cache_bytes / GIB,
             "online/generated_tokens_per_s": self.tokens / self.gen_time if self.gen_time > 0 else 0.0,
             "online/completion_length_mean": self.tokens / self.seqs,
             "online/completion_length_max": float(self.len_max),
