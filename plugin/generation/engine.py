@@ -35,6 +35,7 @@ from plugin.generation.sampler import (NoCacheSampler, Sampler, Samples, Turns, 
                                        _round_up, _to_keys, check_prompts, generation_mode, resume_turns)
 from plugin.generation.sampling import local_vocab, row_seeds, sample_sharded
 from plugin.model.attention import attention_modules
+from plugin.runtime import internals
 
 
 @dataclass
@@ -119,10 +120,11 @@ class SlotAttention(nn.Module):
             values[write, :, step.positions] = v[0].transpose(0, 1)
             H_kv = keys.shape[1]
             grouped = q[0].transpose(0, 1).reshape(M, H_kv, H // H_kv, hd)  # query head h reads KV head h // (H / H_kv)
+            length = step.mask.shape[-1]  # compiled: a dynamic size of the graph's input
             if step.slots is None:  # slots 0..M-1 in place
-                keys, values = keys[:M, :, :step.length], values[:M, :, :step.length]
+                keys, values = keys[:M, :, :length], values[:M, :, :length]
             else:  # a chunk of appended ids: copies of their slots
-                keys, values = keys[step.slots, :, :step.length], values[step.slots, :, :step.length]
+                keys, values = keys[step.slots, :, :length], values[step.slots, :, :length]
             out = _decode_attention(grouped, keys, values, step.mask.to(q.dtype), scale)
             out = out.reshape(M, H, hd).transpose(0, 1)[None]  # [1, H, M, hd]
         if mesh is not None:
@@ -191,8 +193,7 @@ class KVCacheSampler(_BaseSampler):
             # torchtitan calls it SDPA's way, also where padding-free training set "varlen" (plugin.model.attention)
             m.inner_attention, m.attn_type = SlotAttention(self.step_inputs, self.pool, i), "sdpa"
         try:
-            # the compiled step traces the plain linears: a packed weight is an opaque oneDNN tensor
-            with nullcontext() if self.compile_decode else packed_linears(self.model):
+            with packed_linears(self.model):
                 yield
         finally:
             for m, inner, attn_type in swapped:
@@ -203,11 +204,15 @@ class KVCacheSampler(_BaseSampler):
         if not self.compile_decode:
             return self.model
         if self._compiled is None:
-            compiled = torch.compile(self.model.forward, dynamic=False)
+            compiled = torch.compile(self.model.forward)
+            step = self.step_inputs
 
-            def forward(*args, **kwargs):
+            def forward(tokens, positions):
+                # one graph for any row count and attended length: they are traced as sizes, not constants
+                internals.lengths_vary((tokens, 1), (positions, 1), (step.positions, 0), (step.mask, 0),
+                                       (step.mask, 3))
                 with torch.compiler.set_stance("default"):  # generation_mode's force_eager is lifted for it
-                    return compiled(*args, **kwargs)
+                    return compiled(tokens, positions=positions)
 
             self._compiled = forward
         return self._compiled
@@ -260,9 +265,7 @@ class _Run:
         M = min(e._rows(m), self.S)
         rows, col = self.row[:M], self.col[:M]
         positions = self.start[:M] + col
-        # compiled: the whole cache (a static shape), masked
-        length = e.pool.length if e.compile_decode else \
-            max((self.starts[b] + c for b, c in zip(self.live, self.cols)), default=0) + 1
+        length = max((self.starts[b] + c for b, c in zip(self.live, self.cols)), default=0) + 1
         step = e.step_inputs
         step.positions, step.slots, step.length, step.mask = positions, None, length, _mask(positions, length)
         e._at(rows, positions)

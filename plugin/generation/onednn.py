@@ -26,19 +26,38 @@ from plugin.runtime import internals
 _ROWS_HINT = 64
 
 
+# the packed weights (and biases) of the call in progress, by their linear's handle: a packed weight is an opaque
+# oneDNN tensor, which a compiled graph cannot take as an input, so the graph holds the handle (a constant) and
+# the op reads this call's weight through it
+_PACKED: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+
+@torch.library.custom_op("grpo::packed_linear", mutates_args=())
+def packed_linear(rows: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
+    """[N, in] rows times the packed weight of linear `handle` (plus its bias): [N, out_features]."""
+    packed, bias = _PACKED[handle]
+    return internals.onednn_linear(rows, packed, bias)
+
+
+@packed_linear.register_fake
+def _(rows, handle, out_features):
+    return rows.new_empty(rows.shape[0], out_features)
+
+
 class PackedLinear(nn.Module):
-    """An nn.Linear's forward on its weight packed in `dtype`; the linear's own module stays its parent's child
-    again when the call ends (`packed_linears`)."""
+    """An nn.Linear's forward on its weight packed in `dtype` for the call; the linear itself is put back as its
+    parent's child when the call ends (`packed_linears`). Its handle is the linear's id, the same in every call,
+    so a compiled step that calls it compiles once."""
 
     def __init__(self, linear: nn.Linear, dtype: torch.dtype):
         super().__init__()
-        self.dtype, self.out_features = dtype, linear.out_features
-        self.packed = internals.onednn_pack_linear(linear.weight.detach().to(dtype), _ROWS_HINT)
-        self.bias = None if linear.bias is None else linear.bias.detach().to(dtype)
+        self.dtype, self.out_features, self.handle = dtype, linear.out_features, id(linear)
+        bias = None if linear.bias is None else linear.bias.detach().to(dtype)
+        _PACKED[self.handle] = (internals.onednn_pack_linear(linear.weight.detach().to(dtype), _ROWS_HINT), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.to(self.dtype).reshape(-1, x.shape[-1])
-        return internals.onednn_linear(rows, self.packed, self.bias).view(*x.shape[:-1], self.out_features)
+        return packed_linear(rows, self.handle, self.out_features).view(*x.shape[:-1], self.out_features)
 
 
 def _packable(module: nn.Module) -> bool:
@@ -66,3 +85,4 @@ def packed_linears(model: nn.Module):
     finally:
         for parent, name, child in swapped:
             setattr(parent, name, child)
+            _PACKED.pop(id(child), None)

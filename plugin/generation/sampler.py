@@ -193,11 +193,9 @@ class _BaseSampler:
             self._capture.at(rows, positions, source)
 
     def _rows(self, count: int) -> int:
-        """Rows a decode batch of `count` unfinished ones holds: a multiple of the TP degree (which shards them),
-        compiled: the next power of two, so a few row counts are each compiled once."""
-        if self.compile_decode:
-            return _round_up(1 << (max(count, 1) - 1).bit_length(), self.tp)
-        return _round_up(max(count, 1), self.tp)
+        """Rows a decode batch of `count` unfinished ones holds: a multiple of the TP degree (which shards them);
+        compiled, two at least: dynamo specializes a size of 1, which would be a second graph."""
+        return _round_up(max(count, 2 if self.compile_decode else 1), self.tp)
 
     def _positions(self, length: int) -> torch.Tensor:
         """(1, length) positions from 0; padding past the RoPE table reuses its last row."""
