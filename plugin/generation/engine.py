@@ -73,6 +73,8 @@ class KVPool:
         if like is not None and (kv is None or kv[0].dtype != like.dtype or kv[0].shape[1] != like.shape[1]):
             shape = (self.slots, like.shape[1], self.length, like.shape[3])
             kv = self.layers[layer] = (like.new_zeros(shape), like.new_zeros(shape))
+            # a compiled step traces the slot count as a size: a pool grown for a larger call compiles nothing again
+            internals.lengths_vary((kv[0], 0), (kv[1], 0))
         return kv
 
     def bytes(self) -> int:
