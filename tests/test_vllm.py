@@ -61,8 +61,13 @@ def _config(*extra: str, world: int = 1, monkeypatch=None):
      r"model runner"),
 ])
 def test_bad_settings_name_the_key(extra, world, match, monkeypatch):
+    """At start-up: validate_job's check_vllm, then the online dataset's builder describes the model for vLLM."""
+    from plugin.generation.vllm import engine_config
+
     with pytest.raises(ValueError, match=match):
-        check_vllm(_config(*extra, world=world, monkeypatch=monkeypatch))
+        cfg = _config(*extra, world=world, monkeypatch=monkeypatch)
+        check_vllm(cfg)
+        engine_config(cfg)
 
 
 def test_without_vllm_installed_the_key_and_the_command_are_named(monkeypatch):

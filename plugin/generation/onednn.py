@@ -57,7 +57,12 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.to(self.dtype).reshape(-1, x.shape[-1])
-        return packed_linear(rows, self.handle, self.out_features).view(*x.shape[:-1], self.out_features)
+        if torch.compiler.is_compiling():
+            out = packed_linear(rows, self.handle, self.out_features)
+        else:  # eager: no custom op dispatch around each of a step's ~200 products
+            packed, bias = _PACKED[self.handle]
+            out = internals.onednn_linear(rows, packed, bias)
+        return out.view(*x.shape[:-1], self.out_features)
 
 
 def _packable(module: nn.Module) -> bool:
