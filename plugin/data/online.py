@@ -267,8 +267,9 @@ class OnlineDataset(IterableDataset, Stateful):
                 routing.capturing_samples(routing.replay == "R3") if routing is not None else nullcontext():
             samples = self.sampler.generate([p.ids for p in mine], keys, turns)
         gen_time, gen_peak = time.perf_counter() - start, memory.peak
-        if self.job.kv_pool is not None:
-            self.stats.kv_cache_bytes = self.job.kv_pool.bytes()
+        pool = getattr(self.sampler, "pool", None)  # the built-in engine's KV cache (vLLM keeps its own)
+        if pool is not None:
+            self.stats.kv_cache_bytes = pool.bytes()
 
         messages, tools = turns.finish(samples.completions) if turns else (None, None)
         texts, totals, per_fn = score_completions(self.reward_fns, self.tp_group, self.tokenizer, self.stop_ids, mine,

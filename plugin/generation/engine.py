@@ -44,8 +44,8 @@ class StepInputs:
 
     positions: torch.Tensor | None = None  # [M] each input token's position; None: a prefill from position 0
     slots: torch.Tensor | None = None  # [M] each token's slot; None: token i is slot i's (a decode step)
-    length: int = 0  # cache positions attended
-    mask: torch.Tensor | None = None  # [M, 1, 1, length] additive: each token sees its slot up to its position
+    mask: torch.Tensor | None = None  # [M, 1, 1, length] additive, over the cache positions attended: each token
+    # sees its slot up to its position
     members: torch.Tensor | None = None  # prefill: the slot of each member row
     member_prompt: torch.Tensor | None = None  # prefill: each member's row of the prefilled (distinct) prompts
 
@@ -269,7 +269,7 @@ class _Run:
         positions = self.start[:M] + col
         length = max((self.starts[b] + c for b, c in zip(self.live, self.cols)), default=0) + 1
         step = e.step_inputs
-        step.positions, step.slots, step.length, step.mask = positions, None, length, _mask(positions, length)
+        step.positions, step.slots, step.mask = positions, None, _mask(positions, length)
         e._at(rows, positions)
         # a finished row's discarded draw at column N sits at most at position max_seq_len, past the RoPE table
         logits = self.forward(self.last[:M][None], positions=positions.clamp_max(e.max_seq_len - 1)[None])
@@ -338,8 +338,7 @@ class _Run:
         step = e.step_inputs
         step.slots = torch.tensor(at, device=dev)
         step.positions = torch.tensor(where, device=dev)
-        step.length = max(where) + 1
-        step.mask = _mask(step.positions, step.length)
+        step.mask = _mask(step.positions, max(where) + 1)
         e._at(self.row[step.slots], step.positions)
         e.model.hidden_states(torch.tensor([ids], device=dev),
                               positions=step.positions.clamp_max(e.max_seq_len - 1)[None])
