@@ -11,7 +11,7 @@ So what they share is one `GRPOJob`, made by the first builder that asks for it
 | online_stats   | the online dataset's builder         | the metrics processor                                |
 | policy, parallel_dims | the parallelize function      | the online dataset, which samples from the policy    |
 | vllm           | the first [online] use_vllm sampler  | training's and evaluation's samplers; the metrics processor closes it |
-| kv_pool        | the first built-in sampler           | training's and evaluation's samplers (one KV cache); the metrics processor |
+| kv_pool        | the first built-in sampler           | training's and evaluation's samplers: one KV cache for the run |
 
 The optimizer builder gets the policy from torchtitan and its reference and stats from it.
 """
