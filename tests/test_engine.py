@@ -90,7 +90,7 @@ def test_decode_steps_make_no_host_sync_and_allocate_no_cache_between_checks(lla
     """From a call's first decode step to its last, only the stop checks read anything back: the steps between two
     checks dispatch no sync op and no Python read of a tensor, and allocate nothing a slot's cache size or larger."""
     model, stops, base = llama
-    pool = KVPool(model.model_args.max_seq_len + 1)
+    pool = KVPool()
     sampler = _sampler(model, stops, check_every=4, pool=pool)
     sampler.generate(prompts()[:2], KEYS[:2])  # the pool's first allocation
     slot = sum(k[0].numel() for k in pool.layers[:1]) // pool.slots  # one slot of one layer's K
@@ -143,7 +143,7 @@ def test_one_cache_for_every_call_and_sampler(llama):
     """The pool is allocated at the first generation and reused: a later call, and another sampler on the same pool
     (evaluation's, at another temperature), write into the same tensors."""
     model, stops, base = llama
-    pool = KVPool(model.model_args.max_seq_len + 1)
+    pool = KVPool()
     first = _sampler(model, stops, pool=pool).generate(prompts(), KEYS)
     addresses = [(k.data_ptr(), v.data_ptr()) for k, v in pool.layers]
     assert pool.bytes() > 0
@@ -162,7 +162,7 @@ def test_compiled_decode_compiles_once_per_run(llama):
     from torch._dynamo.utils import counters
 
     model, stops, base = llama
-    pool = KVPool(model.model_args.max_seq_len + 1)
+    pool = KVPool()
     sampler = _sampler(model, stops, pool=pool, compile_decode=True)
     torch._dynamo.reset()
     start = counters["stats"]["unique_graphs"]

@@ -86,7 +86,7 @@ def online_sampler(policy, job_config, parallel_dims, *, stop_ids: list[int], te
                            next(policy.parameters()).device.type)
     job = GRPOJob.of(job_config)
     if job.kv_pool is None:  # one cache for the run: training's and evaluation's samplers share it
-        job.kv_pool = KVPool(policy.model_args.max_seq_len + 1)
+        job.kv_pool = KVPool()
     # only TP peers' forwards talk, and they hold the same rows, but EP's all-to-alls span the data-parallel ranks
     return build_sampler(policy, kv_cache=cfg.kv_cache, max_new_tokens=cfg.max_new_tokens, stop_ids=stop_ids,
                          temperature=temperature, pad_id=pad_id, max_num_seqs=cfg.max_num_seqs,

@@ -53,19 +53,22 @@ class StepInputs:
 class KVPool:
     """Each attention layer's K and V for `slots` rows of `length` positions, this rank's KV heads.
 
-    Allocated at the first prefill of each layer, in its dtype; kept until a call needs more slots or
-    another dtype. `bytes()` is what it holds."""
+    Allocated at the first prefill of each layer, in its dtype, and kept: a call that needs more slots or longer
+    rows (at most [training] seq_len + 1 positions) drops it, and its first prefill allocates the larger one.
+    `bytes()` is what it holds."""
 
-    def __init__(self, length: int):
-        self.length, self.slots = length, 0
+    def __init__(self):
+        self.length = self.slots = 0
         self.layers: list[tuple[torch.Tensor, torch.Tensor] | None] = []
 
-    def reserve(self, slots: int, layers: int) -> None:
-        """At least `slots` slots for a call (a larger pool is dropped and allocated again at the next prefill)."""
-        if slots > self.slots or len(self.layers) != layers:
+    def reserve(self, slots: int, length: int, layers: int) -> None:
+        """At least `slots` slots of `length` positions for a call."""
+        if slots > self.slots or length > self.length or len(self.layers) != layers:
             if self.slots:
-                logger.info(f"KV cache: {self.slots} -> {slots} slots")
-            self.slots, self.layers = slots, [None] * layers
+                logger.info(f"KV cache: {self.slots} x {self.length} -> {max(slots, self.slots)} x "
+                            f"{max(length, self.length)} (slots x positions)")
+            self.slots, self.length = max(slots, self.slots), max(length, self.length)
+            self.layers = [None] * layers
 
     def buffers(self, layer: int, like: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer`'s K and V [slots, H_kv, length, hd]; `like` ([B, H_kv, T, hd]) allocates them if needed."""
@@ -73,8 +76,8 @@ class KVPool:
         if like is not None and (kv is None or kv[0].dtype != like.dtype or kv[0].shape[1] != like.shape[1]):
             shape = (self.slots, like.shape[1], self.length, like.shape[3])
             kv = self.layers[layer] = (like.new_zeros(shape), like.new_zeros(shape))
-            # a compiled step traces the slot count as a size: a pool grown for a larger call compiles nothing again
-            internals.lengths_vary((kv[0], 0), (kv[1], 0))
+            # a compiled step traces the slots and positions as sizes: a pool grown for a larger call compiles nothing
+            internals.lengths_vary((kv[0], 0), (kv[1], 0), (kv[0], 2), (kv[1], 2))
         return kv
 
     def bytes(self) -> int:
@@ -160,7 +163,7 @@ class KVCacheSampler(_BaseSampler):
 
     def __init__(self, model: nn.Module, *, pool: KVPool | None = None, lockstep: bool = True, **options):
         super().__init__(model, **options)
-        self.pool = pool if pool is not None else KVPool(self.max_seq_len + 1)
+        self.pool = pool if pool is not None else KVPool()
         self.lockstep = lockstep
         self.step_inputs = StepInputs()
         self._compiled = None  # the compiled decode forward, made once (compile_decode)
@@ -169,7 +172,11 @@ class KVCacheSampler(_BaseSampler):
         """Sample a completion for each prompt; every rank calls this at the same time (see the module's docstring)."""
         check_prompts(prompts, keys, self.max_seq_len, self.max_new_tokens, self.device)
         n = len(prompts)
-        self.pool.reserve(_round_up(max(self.max_num_seqs or n, 1), self.tp), len(attention_modules(self.model)))
+        # a row's inputs sit at positions up to len(prompt) - 1 + max_new_tokens (its draws past its end included);
+        # the position after the longest row's is scratch, for writes that are discarded
+        self.pool.reserve(_round_up(max(self.max_num_seqs or n, 1), self.tp),
+                          max(map(len, prompts), default=1) + self.max_new_tokens + self.tp + 1,
+                          len(attention_modules(self.model)))
         routing = getattr(self.model, "routing", None)
         captures = routing is not None and routing.captures_samples
         # row n takes the draws of free slots (discarded); positions reach the pool's length
