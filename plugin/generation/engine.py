@@ -208,6 +208,11 @@ class KVCacheSampler(_BaseSampler):
             for m, inner, attn_type in swapped:
                 m.inner_attention, m.attn_type = inner, attn_type
 
+    def _rows(self, count: int) -> int:
+        """Rows a decode step of `count` live ones holds: a multiple of the TP degree (which shards them);
+        compiled, two at least: dynamo specializes a size of 1, which would be a second graph."""
+        return _round_up(max(count, 2 if self.compile_decode else 1), self.tp)
+
     def decode_forward(self):
         """The model's forward for decode steps: compiled once for the run with compile_decode."""
         if not self.compile_decode:
@@ -268,6 +273,10 @@ class _Run:
                 self._step()
             self._check()
 
+    def _anyone(self, flag: bool) -> bool:
+        """`flag` on this rank, or with lockstep on any rank (whose forward this one must then join)."""
+        return _any_rank(flag, self.engine.device) if self.engine.lockstep else flag
+
     def _step(self) -> None:
         """One token for every live slot, and for free slots up to the step's row count (discarded)."""
         e, m = self.engine, len(self.live)
@@ -318,9 +327,7 @@ class _Run:
         """The resumed rows' appended ids into their cache: the stop id and the appended ids but the last run through
         the model at once (the last is the next step's input); their slots decode on from after them."""
         e, dev = self.engine, self.engine.device
-        if e.lockstep and not _any_rank(bool(resumed), dev):
-            return
-        if not e.lockstep and not resumed:
+        if not self._anyone(bool(resumed)):
             return
         at, where, ids = [], [], []  # each appended input's slot, position and token
         for i, b in slots.items():
@@ -377,9 +384,7 @@ class _Run:
         """Queued rows into the free slots: each distinct prompt among them prefilled once, into each member's slot."""
         e, dev = self.engine, self.engine.device
         rows = [self.queue.popleft() for _ in range(min(self.S - len(self.live), len(self.queue)))]
-        if e.lockstep and not _any_rank(bool(rows), dev):
-            return
-        if not e.lockstep and not rows:
+        if not self._anyone(bool(rows)):
             return
         prompts = [self.prompts[b] for b in rows] or [[e.pad_id]]  # an idle peer prefills a discarded prompt
         distinct: dict[tuple, int] = {}

@@ -173,10 +173,11 @@ class _BaseSampler:
                  autocast: Callable[[], AbstractContextManager] = nullcontext, compile_decode: bool = False):
         """`max_new_tokens` >= 1 and `temperature` >= 0 (0: greedy): [online] and [grpo] check them.
 
-        max_num_seqs: most sequences one decode batch holds (0: all of the call's); check_every:
-        decode steps between the stop checks, the only host syncs of the decode loop; autocast:
-        the training forward's autocast (torchtitan's maybe_enable_amp), so generation computes in
-        the trainer's dtype; compile_decode: the cached sampler's decode step under torch.compile.
+        autocast: the training forward's autocast (torchtitan's maybe_enable_amp), so generation
+        computes in the trainer's dtype. The built-in engine's own (the oracle has no cache and no
+        decode step to cap or compile): max_num_seqs, its KV cache slots (0: the call's rows);
+        check_every, decode steps between the stop checks, the only host syncs of its decode loop;
+        compile_decode, its decode step under torch.compile.
         """
         self.model, self.max_new_tokens, self.temperature, self.pad_id = model, max_new_tokens, temperature, pad_id
         self.stop_ids, self.max_num_seqs, self.check_every = list(stop_ids), max_num_seqs, check_every
@@ -191,11 +192,6 @@ class _BaseSampler:
         forward's input, flattened, is row `rows[i]`'s input at `positions[i]`."""
         if self._capture is not None:
             self._capture.at(rows, positions, source)
-
-    def _rows(self, count: int) -> int:
-        """Rows a decode batch of `count` unfinished ones holds: a multiple of the TP degree (which shards them);
-        compiled, two at least: dynamo specializes a size of 1, which would be a second graph."""
-        return _round_up(max(count, 2 if self.compile_decode else 1), self.tp)
 
     def _positions(self, length: int) -> torch.Tensor:
         """(1, length) positions from 0; padding past the RoPE table reuses its last row."""
