@@ -187,10 +187,13 @@ class Online:
     """Token ids that end a completion (kept as its last token); [] = the tokenizer's EOS id."""
 
     reward_funcs: list[str] = field(default_factory=list)
-    """Reward functions as "module:function", with TRL's signature: fn(prompts, completions, completion_ids, **columns) -> list[float]."""
+    """Reward functions as "module:function", with TRL's signature: fn(prompts, completions, completion_ids, **columns) -> list[float]; or reward models: the folder of a Llama/Qwen3/Qwen3-MoE *ForSequenceClassification checkpoint with one label (docs/reward_models.md)."""
 
     reward_weights: list[float] = field(default_factory=list)
     """One weight per reward function; the reward is their weighted sum; [] = every weight 1."""
+
+    reward_model_max_token_len: int = 8192
+    """Most tokens in one reward-model forward on a rank (verl's forward_max_token_len_per_gpu): completions are scored in padding-free rows of at most this many tokens (a longer one alone)."""
 
     num_iterations: int = 1
     """Optimizer steps per sampled batch, mu (TRL's num_iterations): the batch is replayed, its old log-probs fixed at the first."""
@@ -288,8 +291,11 @@ class Online:
             _check("online", f"stop_token_ids[{i}]", t, t >= 0, "a token id >= 0")
         for i, f in enumerate(self.reward_funcs):
             module, _, name = f.partition(":")
-            _check("online", f"reward_funcs[{i}]", repr(f), bool(module and name.isidentifier()),
-                   'of the form "module:function", e.g. "plugin.example:arith_reward"')
+            _check("online", f"reward_funcs[{i}]", repr(f), bool(module and name.isidentifier()) or os.path.isdir(f),
+                   'of the form "module:function", e.g. "plugin.example:arith_reward", or an existing folder '
+                   "holding a reward model (a sequence-classification checkpoint)")
+        _check("online", "reward_model_max_token_len", self.reward_model_max_token_len,
+               self.reward_model_max_token_len >= 1, ">= 1")
         for i, w in enumerate(self.reward_weights):
             _check("online", f"reward_weights[{i}]", w, math.isfinite(w), "a finite number")
         if self.reward_weights and len(self.reward_weights) != len(self.reward_funcs):

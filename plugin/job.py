@@ -12,6 +12,7 @@ So what they share is one `GRPOJob`, made by the first builder that asks for it
 | policy, parallel_dims | the parallelize function      | the online dataset, which samples from the policy    |
 | vllm           | the first [online] use_vllm sampler  | training's and evaluation's samplers; the metrics processor closes it |
 | kv_pool        | the first built-in sampler           | training's and evaluation's samplers: one KV cache for the run |
+| reward_models  | the first reward list naming a folder | training's and evaluation's reward lists: one copy per folder |
 
 The optimizer builder gets the policy from torchtitan and its reference and stats from it.
 """
@@ -31,6 +32,15 @@ class GRPOJob:
         self.parallel_dims = None
         self.vllm = None  # [online] use_vllm: this rank's engine (plugin.generation.vllm), built at the first generation
         self.kv_pool = None  # the built-in engine's KV cache (plugin.generation.engine.KVPool), made with its sampler
+        self.reward_models = {}  # folder -> plugin.model.reward_model.RewardModel, built at its first scoring
+
+    def reward_model(self, folder: str, key: str, job_config):
+        """The job's reward model of `folder` (checked now, built at its first scoring), made at the first call."""
+        if folder not in self.reward_models:
+            from plugin.model.reward_model import RewardModel
+
+            self.reward_models[folder] = RewardModel(folder, key, job_config)
+        return self.reward_models[folder]
 
     @staticmethod
     def of(job_config) -> "GRPOJob":

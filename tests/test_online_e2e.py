@@ -61,12 +61,20 @@ MU = ("--online.num_iterations", "2", "--optimizer.lr", "1e-2", "--lr_scheduler.
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, seed_checkpoint, prompts) -> dict[str, Path]:
+def reward_model(tmp_path_factory) -> Path:
+    """A tiny random Qwen3ForSequenceClassification on the bundled tokenizer (tests/test_reward_models.py)."""
+    from test_reward_models import save_checkpoint
+
+    return save_checkpoint(tmp_path_factory.mktemp("reward_model") / "rm", "qwen3")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, seed_checkpoint, prompts, reward_model) -> dict[str, Path]:
     """Every run of this file, in one launch per rank count (2 launches): the 1-rank runs first in the 2-rank launch,
     on its rank 0 (tests/run_jobs.py's `nproc`), the bad inputs' runs, which must fail, last of them, each with its
     log in a file (`bad_input_logs`)."""
     dumps = {name: tmp_path_factory.mktemp(name.replace(" ", "_").replace(",", "").replace("=", ""))
-             for name in [*LAYOUTS, "mu_straight", "mu_split", "variants", "eval", "bf16"]}
+             for name in [*LAYOUTS, "mu_straight", "mu_split", "variants", "eval", "bf16", "reward_model"]}
     jobs = {1: [], 2: [], 4: []}
     for name, (nproc, *flags) in LAYOUTS.items():
         # 8 groups of 4 = 32 completions per batch; one step
@@ -77,6 +85,8 @@ def runs(tmp_path_factory, seed_checkpoint, prompts) -> dict[str, Path]:
     jobs[2][:0] = [job(dumps["mu_straight"], seed_checkpoint, prompts, MU_STEPS, *MU),
                    job(dumps["mu_split"], seed_checkpoint, prompts, MU_AT, *MU)]
     jobs[2].append(eval_job(dumps["eval"], prompts))
+    jobs[2].append(eval_job(dumps["reward_model"], prompts) + [
+        "--online.reward_funcs", f"reward_fns:even_ids,{reward_model}", "--online.reward_weights", "1", "0.5"])
     jobs[2].append(job(dumps["mu_split"], seed_checkpoint, prompts, MU_STEPS, *MU))
     jobs[4].append(job(dumps["bf16"], seed_checkpoint, prompts, 2, *BF16))
     jobs[1] += [{"argv": ["--job.config_file", CONFIG, "--job.dump_folder", str(tmp_path_factory.mktemp("bad_input")),
@@ -208,6 +218,30 @@ def test_evaluation_splits_prompts_over_fsdp_ranks_and_logs_eval_figures(runs):
         assert tags["eval/reward/even_ids_mean"][step] == pytest.approx(sum(rewards) / 10, rel=1e-6)
         full = sum(r["rewards"]["even_ids"] >= 1 for r in rows) / 10
         assert tags["eval/full_reward_share"][step] == pytest.approx(full)
+
+
+def test_a_reward_model_scores_training_and_evaluation_on_fsdp(runs, reward_model):
+    """reward_funcs = [even_ids, a reward model folder], weights 1 and 0.5, on 2 FSDP ranks with evaluation (whose rank
+    1 has no prompts in its second call and still joins the reward model's forwards): every logged completion's
+    reward is the weighted sum, and the model's scores are transformers' on the prompt + completion text."""
+    from test_reward_models import oracle
+
+    from plugin.data.prompts import Prompt
+
+    dump = runs["reward_model"]
+    tags = scalars_by_step(dump)
+    for tag in ("online/reward/rm_mean", "online/reward/rm_std", "eval/reward/rm_mean"):
+        assert tag in tags, tag
+    rows = [json.loads(line) for f in sorted((dump / "completions").glob("batch-000000-dp*.jsonl"))
+            for line in f.read_text().splitlines()]
+    rows += [json.loads(line) for f in sorted((dump / "eval").glob("step-000002-dp*.jsonl"))
+             for line in f.read_text().splitlines()]
+    assert len(rows) == 16 + 10  # a batch of 4 groups of 4, and 5 held-out prompts x 2
+    for r in rows:
+        assert r["reward"] == pytest.approx(r["rewards"]["even_ids"] + 0.5 * r["rewards"]["rm"], abs=1e-6)
+    some = rows[:3] + rows[-3:]
+    expected = oracle(reward_model, [Prompt([], r["prompt"], {}, "") for r in some], [r["completion"] for r in some])
+    assert [r["rewards"]["rm"] for r in some] == pytest.approx(expected, abs=1e-5)
 
 
 VARIANTS = ("--parallelism.tensor_parallel_degree", "1", "--training.local_batch_size", "32",

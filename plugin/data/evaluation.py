@@ -150,7 +150,11 @@ def build_grpo_evaluator(job_config, dp_world_size: int, dp_rank: int, tokenizer
     tools = build_tool_setup(online, encoder, tokenizer, stop_ids)
     if tools:
         tools.check_prompts(prompts, "[validation] dataset_path")
-    evaluator = GRPOEvaluator(job_config, prompts, load_reward_fns(online.reward_funcs, online.reward_weights),
+    reward_fns = load_reward_fns(online.reward_funcs, online.reward_weights, job_config)
+    for f in reward_fns:
+        if f.model is not None:
+            f.model.check_prompts(prompts, "[validation] dataset_path")
+    evaluator = GRPOEvaluator(job_config, prompts, reward_fns,
                               tokenizer, stop_ids, pad_id, dp_rank, dp_world_size, parallel_dims, metrics_processor,
                               tools)
     logger.info(f"Evaluation: {evaluator.count} of {len(prompts)} prompts from {v.dataset_path} "

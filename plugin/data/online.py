@@ -352,12 +352,15 @@ def build_online_dataset(job_config, job: GRPOJob, tokenizer, encoder, batching)
 
         engine_config(job_config)  # raises, at start-up, for a model vLLM cannot run
     stop_ids = resolve_stop_ids(online, tokenizer, encoder.vocab_size)
-    reward_fns = load_reward_fns(online.reward_funcs, online.reward_weights)
+    reward_fns = load_reward_fns(online.reward_funcs, online.reward_weights, job_config)
     tools = build_tool_setup(online, encoder, tokenizer, stop_ids)
     prompts, skipped = load_prompts(training.dataset_path, encoder, tokenizer, fmt=cfg.format,
                                     max_new_tokens=online.max_new_tokens, on_error=cfg.on_error)
     if tools:
         tools.check_prompts(prompts, "[training] dataset_path")
+    for f in reward_fns:
+        if f.model is not None:
+            f.model.check_prompts(prompts, "[training] dataset_path")
     job.stats.skipped_rows = skipped
     job.online_stats = OnlineStats([f.name for f in reward_fns], online.filter_groups, tools=tools is not None)
     plan, collate = batching(G, len(prompts), "prompts", sampled=True)

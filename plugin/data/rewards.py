@@ -1,4 +1,5 @@
-"""Reward functions named in `[online] reward_funcs`, with TRL's signature, and their checked, weighted sum.
+"""Reward functions and reward models named in `[online] reward_funcs`, with TRL's signature, and their checked,
+weighted sum.
 
 A function is called once per sampled batch:
 
@@ -13,6 +14,9 @@ function may return None for a completion it does not apply to; the reward is th
 the functions that apply. An async function (one that returns an awaitable: a judge model or a
 sandbox behind an API) is awaited together with the batch's other async ones, as TRL does, so their
 waits overlap.
+
+An entry that is a folder is a reward model (plugin.model.reward_model): it scores what TRL's reward models read,
+on every rank of a TP group at once, before the functions run.
 """
 
 import asyncio
@@ -21,6 +25,7 @@ import inspect
 import math
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -36,15 +41,23 @@ class RewardError(RuntimeError):
 class RewardFn:
     key: str  # e.g. '[online] reward_funcs[0] = "plugin.example:arith_reward"', for messages
     name: str  # the function's name, for metric tags
-    fn: Callable
+    fn: Callable | None  # None for a reward model
     weight: float
+    model: Any = None  # plugin.model.reward_model.RewardModel of a folder entry
 
 
-def load_reward_fns(specs: list[str], weights: list[float]) -> list[RewardFn]:
-    """Import every "module:function"; a failure names the TOML key and the module path."""
+def load_reward_fns(specs: list[str], weights: list[float], job_config=None) -> list[RewardFn]:
+    """Import every "module:function", check every reward model (with `job_config`, whose job shares each one between
+    training and evaluation); a failure names the TOML key and the module path."""
     fns = []
     for i, spec in enumerate(specs):
         key = f"[online] reward_funcs[{i}] = {spec!r}"
+        if job_config is not None and _is_folder(spec):
+            from plugin.job import GRPOJob
+
+            model = GRPOJob.of(job_config).reward_model(spec, key, job_config)
+            fns.append(RewardFn(key, Path(spec).resolve().name, None, weights[i] if weights else 1.0, model))
+            continue
         module_name, _, attr = spec.partition(":")
         try:
             module = importlib.import_module(module_name)
@@ -62,15 +75,27 @@ def load_reward_fns(specs: list[str], weights: list[float]) -> list[RewardFn]:
     return fns
 
 
+def _is_folder(spec: str) -> bool:
+    from plugin.model.reward_model import is_reward_model
+
+    return is_reward_model(spec)
+
+
 def score(fns: list[RewardFn], prompts: list[str], completions: list[str], completion_ids: list[list[int]],
-          columns: dict[str, list], where: list[str]) -> tuple[list[float], list[list[float]]]:
+          columns: dict[str, list], where: list[str], given: dict[int, list[float]] | None = None
+          ) -> tuple[list[float], list[list[float]]]:
     """(weighted total per completion, each function's rewards with NaN where it returned None).
 
-    `where[i]` is the file:line of completion i's prompt row, for errors.
+    `where[i]` is the file:line of completion i's prompt row, for errors; `given`: the rewards of the entries at
+    those indices (the reward models'), not called here.
     """
     n = len(completions)
     per_fn = []
-    results = _call_all(fns, dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns))
+    given = given or {}
+    kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+    called = [f for i, f in enumerate(fns) if i not in given]
+    results = iter(_call_all(called, kwargs))
+    results = [given[i] if i in given else next(results) for i in range(len(fns))]
     for f, values in zip(fns, results):
         if isinstance(values, Exception):
             row = _first_failing_row(f, prompts, completions, completion_ids, columns)
@@ -100,12 +125,15 @@ def score_completions(fns: list[RewardFn], tp_group, tokenizer, stop_ids: list[i
     `messages`: multi-turn completions as TRL's message lists (plugin.data.turns), which the functions then get.
     """
     texts = [tokenizer.decode(c[:-1] if c and c[-1] in stop_ids else c) for c in completion_ids]
+    completions = messages if messages is not None else reward_completions(prompts, texts)
+    # every rank scores with the reward models, one with no completions too: their forwards are collectives
+    given = {i: f.model.rewards(prompts, completions, completion_ids, stop_ids)
+             for i, f in enumerate(fns) if f.model is not None}
     if not prompts:  # an evaluation rank past the end of a short file; its TP peers are too
         return texts, [], [[] for _ in fns]
     columns = {k: [p.columns.get(k) for p in prompts] for k in dict.fromkeys(k for p in prompts for k in p.columns)}
-    completions = messages if messages is not None else reward_completions(prompts, texts)
     totals, per_fn = score_once(fns, tp_group, [p.text for p in prompts], completions, completion_ids, columns,
-                                [p.where for p in prompts])
+                                [p.where for p in prompts], given)
     return texts, totals, per_fn
 
 
@@ -116,18 +144,20 @@ def reward_completions(prompts: list[Prompt], texts: list[str]) -> list:
 
 
 def score_once(reward_fns, tp_group, prompts: list, completions: list, completion_ids: list[list[int]],
-               columns: dict[str, list], where: list[str]) -> tuple[list[float], list[list[float]]]:
+               columns: dict[str, list], where: list[str], given: dict[int, list[float]] | None = None
+               ) -> tuple[list[float], list[list[float]]]:
     """`score`, each completion's rewards run once in the job.
 
     A reward with side effects (a sandbox, a judge, an API) must not run once per TP rank:
     TP rank k scores the k-th contiguous share of the completions, and the shares are gathered.
     A failure on any rank is raised on every rank, so none waits for the others. `tp_group` None: one rank.
     """
+    given = given or {}
     if tp_group is None:
-        return score(reward_fns, prompts, completions, completion_ids, columns, where)
+        return score(reward_fns, prompts, completions, completion_ids, columns, where, given)
     parts = run_once(tp_group, len(completions), lambda mine: score(
         reward_fns, prompts[mine], completions[mine], completion_ids[mine], {k: v[mine] for k, v in columns.items()},
-        where[mine]), RewardError)
+        where[mine], {i: v[mine] for i, v in given.items()}), RewardError)
     totals = [v for p in parts for v in p[0]]
     per_fn = [[v for p in parts for v in p[1][k]] for k in range(len(reward_fns))]
     return totals, per_fn

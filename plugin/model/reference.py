@@ -88,13 +88,8 @@ class Reference:
         `nn.Module.to` works for plain, TP (DTensor) and FSDP2-sharded parameters: it swaps
         DTensor parameters in place, and FSDP2 re-registers its shards after the move.
         """
-        if self.offload:
-            self.module.to(device)
-        try:
+        with offloaded(self.module, device, self.offload):
             yield
-        finally:
-            if self.offload:
-                self.module.to("cpu")
 
     def logprobs(self, policy: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, stats, **kwargs) -> torch.Tensor:
         """[B, T] log-probs of `labels` under the reference; its first call loads its weights."""
@@ -142,6 +137,19 @@ class Reference:
         set_model_state_dict(self.module, reference_entries(state_dict))
         self.loaded = True
         logger.info("Reference model restored from the checkpoint")
+
+
+@contextmanager
+def offloaded(module: nn.Module, device: torch.device, enabled: bool):
+    """With `enabled`, `module`'s weights (kept in CPU memory) visit `device` only inside this block (the reference's
+    and the reward models' [reference_model] offload)."""
+    if enabled:
+        module.to(device)
+    try:
+        yield
+    finally:
+        if enabled:
+            module.to("cpu")
 
 
 def _state_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
