@@ -32,6 +32,8 @@ Usage:
     python benchmarks/trl_parity.py --seeds 0 1 2 --steps 40 --eval-steps 10 20 40
     python benchmarks/trl_parity.py --seeds 0 --steps 2 --eval-steps 2 --limit 16 --threads 1   # a smoke run
     python benchmarks/trl_parity.py --only ours_vllm --name vllm_learning   # ours, vLLM sampling (docs/vllm.md)
+    python benchmarks/trl_parity.py --only ours --config train_configs/smollm2_rm_cpu.toml --seeds 0 \
+        --name rm_learning --work outputs/rm_learning   # ours, a learned reward model (docs/reward_models.md)
 Writes benchmarks/results/trl_parity.csv, .png and .md, trl_parity_train.csv (training rewards per step) and
 trl_parity_replies.csv (a few replies of each run's last model to the harder sums), and prints the table.
 """
@@ -226,7 +228,8 @@ def train_ours(args, seed: int, folder: Path, interval: int, env: dict, vllm: bo
     run = run_marked(cmd, "ours", env, folder / "train.log", args.timeout)
     tags = read_scalars(folder)
     run["train"] = [dict(step=s, reward_mean=t.get("grpo/reward_mean"),
-                         correct_mean=t.get("online/reward/sum_correct_mean")) for s, t in sorted(tags.items())]
+                         correct_mean=t.get("online/reward/sum_correct_mean"),
+                         reward_share=t.get("online/reward_share")) for s, t in sorted(tags.items())]
     run["models"] = {s: str(p) for s, p in checkpoints(folder).items()}
     return run
 
@@ -324,6 +327,8 @@ def train_table_rows(rows: list[dict], block: int = 10) -> list[dict]:
             last = max(int(r["step"]) for r in part)
             out.append({"side": side, "steps": f"{first}–{last}", "seeds": len({r["seed"] for r in part}),
                         "reward": f"{mean('reward_mean'):.3f}", "replies right": f"{mean('correct_mean'):.1%}"})
+            if any(r.get("reward_share") not in ("", None) for r in part):  # the step's share spent on rewards
+                out[-1]["reward share"] = f"{mean('reward_share'):.1%}"
     return out
 
 
@@ -341,6 +346,10 @@ TABLES = {
     "vllm_learning": dict(script="trl_parity.py", pick=table_rows),
     "vllm_learning_train": dict(script="trl_parity.py", pick=train_table_rows),
     "vllm_learning_replies": dict(script="trl_parity.py", pick=replies_table_rows),
+    # --only ours --config train_configs/smollm2_rm_cpu.toml --name rm_learning: a learned reward model's runs
+    "rm_learning": dict(script="trl_parity.py", pick=table_rows),
+    "rm_learning_train": dict(script="trl_parity.py", pick=train_table_rows),
+    "rm_learning_replies": dict(script="trl_parity.py", pick=replies_table_rows),
 }
 
 
@@ -378,6 +387,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 
 def main() -> None:
+    global CONFIG
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=40, help="GRPO steps of each run (the LR decays to 0 over them)")
@@ -391,9 +401,11 @@ def main() -> None:
     parser.add_argument("--work", default=str(REPO / "outputs" / "trl_parity"), help="runs' folders")
     parser.add_argument("--results", default=str(RESULTS))
     parser.add_argument("--name", default="trl_parity", help="the results' file names: <name>.csv, <name>_train.csv, ...")
+    parser.add_argument("--config", default=CONFIG, help="our side's TOML (its settings also set TRL's side)")
     parser.add_argument("--keep-checkpoints", action="store_true")
     parser.add_argument("--timeout", type=float, help="seconds one training run may take")
     args = parser.parse_args()
+    CONFIG = args.config
     args.eval_steps = sorted(set(args.eval_steps) - {0})
     if not args.eval_steps or max(args.eval_steps) > args.steps:
         parser.error(f"--eval-steps must be in 1..--steps {args.steps}")
@@ -437,7 +449,8 @@ def main() -> None:
     name = args.name
     results_md.write_csv(results / f"{name}.csv", rows, COLUMNS, **TABLES["trl_parity"])
     results_md.write_csv(results / f"{name}_train.csv", train_rows,
-                         ["side", "seed", "step", "reward_mean", "correct_mean"], **TABLES["trl_parity_train"])
+                         ["side", "seed", "step", "reward_mean", "correct_mean", "reward_share"],
+                         **TABLES["trl_parity_train"])
     results_md.write_csv(results / f"{name}_replies.csv", reply_rows,
                          ["side", "seed", "step", "question", "answer", "reply", "right", "bare"],
                          **TABLES["trl_parity_replies"])

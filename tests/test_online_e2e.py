@@ -133,7 +133,8 @@ def test_online_metrics_are_logged(layout_runs):
     tags = scalars_by_step(layout_runs["TP=2"])
     for tag in ("online/generation_time(s)", "online/generation_share", "online/generated_tokens_per_s",
                 "online/completion_length_mean", "online/completion_length_max", "online/truncated_fraction",
-                "online/reward/even_ids_mean", "online/reward/even_ids_std", "online/logprob_mismatch"):
+                "online/reward/even_ids_mean", "online/reward/even_ids_std", "online/logprob_mismatch",
+                "online/reward_time(s)", "online/reward_share"):
         assert tag in tags, tag
     assert 0 < tags["online/generation_share"][1] < 1
     assert tags["online/completion_length_max"][1] <= 6

@@ -6,7 +6,7 @@ saved with save_pretrained next to the bundled tokenizer, scored by the plugin o
   text), within 1e-5 in fp32, for chat and plain prompts; one with another tokenizer than the policy's reads the
   decoded text; one that shares the policy's reads the sampled ids, which are the round trip's.
 - 1 rank, FSDP=2 and TP=2 give the same scores (one spawn per layout, every checkpoint in it; a rank with no
-  completions still joins its peers' forwards).
+  completions still joins its peers' forwards), and the MoE one with its experts over FSDP=2 x EP=2.
 - A function + model list is weighed as documented; bad checkpoints stop at start-up, naming the entry.
 
 Simplifications: the checkpoints are 2 layers of 64, vocabulary 2,048 (the bundled tokenizer's); the MoE one has 4
@@ -150,24 +150,43 @@ def test_scores_equal_transformers(checkpoints, kind, chat):
 LAYOUTS = {"fsdp2": (dict(dp_shard=2, tp=1), ("--parallelism.data_parallel_shard_degree", "2",
                                                "--parallelism.tensor_parallel_degree", "1")),
            "tp2": (dict(dp_shard=1, tp=2), ("--parallelism.data_parallel_shard_degree", "1",
-                                            "--parallelism.tensor_parallel_degree", "2"))}
+                                            "--parallelism.tensor_parallel_degree", "2")),
+           # the MoE checkpoint's experts split over the 2 FSDP ranks
+           "fsdp2_ep2": (dict(dp_shard=2, tp=1, ep=2), ("--parallelism.data_parallel_shard_degree", "2",
+                                                        "--parallelism.tensor_parallel_degree", "1",
+                                                        "--parallelism.expert_parallel_degree", "2",
+                                                        # EP is a layout of MoE policies
+                                                        "--model.name", "grpo_qwen3",
+                                                        "--model.flavor", "debugmodel_moe_small"))}
+LAYOUT_KINDS = {"fsdp2": KINDS, "tp2": KINDS, "fsdp2_ep2": ("qwen3_moe",)}
 
 
 def _layout_scores(rank: int, world_size: int, out: str, layout: str, folders: dict, inputs: dict):
     from torchtitan.distributed import ParallelDims
 
     dims, overrides = LAYOUTS[layout]
-    pd = ParallelDims(dp_replicate=1, cp=1, pp=1, ep=1, etp=1, world_size=2, **dims)
+    pd = ParallelDims(**{"dp_replicate": 1, "cp": 1, "pp": 1, "ep": 1, "etp": 1, "world_size": 2, **dims})
     results = {}
     for kind, folder in folders.items():
         prompts, completions, ids, stops = inputs[kind]
-        if layout == "fsdp2" and rank == 1:  # a data-parallel rank with nothing to score joins the forwards
+        if layout.startswith("fsdp2") and rank == 1:  # a data-parallel rank with nothing to score joins the forwards
             prompts, completions, ids = [], [], []
         # 16 tokens a forward: several chunks, so the busier rank runs more forwards than its idle peer has rows for
-        _, scores = plugin_scores(folder, prompts, completions, ids, stops, *overrides,
-                                  "--online.reward_model_max_token_len", "16", parallel_dims=pd)
+        model, scores = plugin_scores(folder, prompts, completions, ids, stops, *overrides,
+                                      "--online.reward_model_max_token_len", "16", parallel_dims=pd)
         results[kind] = scores
-        if layout == "fsdp2" and rank == 1:
+        if layout == "fsdp2_ep2":  # each rank holds 2 of the 4 experts
+            assert model.module.layers["0"].moe.experts.w1.to_local().shape[0] == 2
+        if layout == "fsdp2" and kind == "qwen3":
+            # a completion past max_position_embeddings (512) on rank 0 only: both ranks stop, none waits
+            from plugin.model.reward_model import RewardModelError
+
+            long = [Prompt([1], "1 " * 600, {}, "prompts.jsonl:9")] if rank == 0 else []
+            with pytest.raises(RewardModelError) as e:
+                model.rewards(long, ["2"] * len(long), [[5]] * len(long), stops)
+            assert ("prompts.jsonl:9 with its completion is" if rank == 0 else "another rank's completions") \
+                in str(e.value), str(e.value)
+        if layout.startswith("fsdp2") and rank == 1:
             assert scores == []
     if rank == 0:
         torch.save(results, out)
@@ -175,10 +194,12 @@ def _layout_scores(rank: int, world_size: int, out: str, layout: str, folders: d
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_scores_equal_across_layouts(checkpoints, tmp_path_factory, layout):
-    inputs = {kind: sampled(checkpoints[kind], chat=True) for kind in KINDS}
-    alone = {kind: plugin_scores(checkpoints[kind], *inputs[kind])[1] for kind in KINDS}
-    ranks = ranks_result(tmp_path_factory, layout, 2, _layout_scores, layout, dict(checkpoints), inputs)
-    for kind in KINDS:
+    kinds = LAYOUT_KINDS[layout]
+    inputs = {kind: sampled(checkpoints[kind], chat=True) for kind in kinds}
+    alone = {kind: plugin_scores(checkpoints[kind], *inputs[kind])[1] for kind in kinds}
+    ranks = ranks_result(tmp_path_factory, layout, 2, _layout_scores, layout,
+                         {k: checkpoints[k] for k in kinds}, inputs)
+    for kind in kinds:
         assert max(abs(a - b) for a, b in zip(ranks[kind], alone[kind])) < 1e-5, (kind, ranks[kind], alone[kind])
 
 

@@ -170,7 +170,7 @@ class OnlineDataset(IterableDataset, Stateful):
         if self.sampler is None:
             self._start()
         plan, G, K, cfg = self.plan, self.plan.group_size, self.plan.groups_per_step, self.cfg
-        kept, dropped, sampled, gen_time, gen_peak, rounds = [], [], [], 0.0, 0, 0
+        kept, dropped, sampled, gen_time, gen_peak, reward_time, rounds = [], [], [], 0.0, 0, 0.0, 0
         while len(kept) < K:
             if cfg.filter_groups and cfg.max_num_gen_batches and rounds == cfg.max_num_gen_batches:
                 logger.warning(
@@ -183,8 +183,9 @@ class OnlineDataset(IterableDataset, Stateful):
                 break
             if (epoch := self.stream.epoch_starting_at(self.stream_pos, K)) is not None:
                 logger.info(f"Online prompts: epoch {epoch} starts at batch {index}")
-            groups, seconds, peak = self._sample_round(index, rounds, self.stream.groups(self.stream_pos, K))
+            groups, seconds, peak, scoring = self._sample_round(index, rounds, self.stream.groups(self.stream_pos, K))
             self.stream_pos, rounds, gen_time = self.stream_pos + K, rounds + 1, gen_time + seconds
+            reward_time += scoring
             gen_peak = max(gen_peak, peak)
             sampled += groups
             if not cfg.filter_groups:
@@ -197,7 +198,7 @@ class OnlineDataset(IterableDataset, Stateful):
         self.stats.record(gen_time, gen_peak, [n for g in sampled for n in g.lengths],
                           [t for g in sampled for t in g.truncated],
                           [[r for g in sampled for r in g.fn_rewards[k]] for k in range(len(self.reward_fns))],
-                          [f for g in sampled for f in g.tools] if self.tools else None)
+                          [f for g in sampled for f in g.tools] if self.tools else None, reward_time)
         if cfg.filter_groups:
             self.stats.record_filter(len(dropped), rounds - 1)
         positions = [i for j in range(plan.grad_accum) for i in plan.microbatch(j)]  # my groups, in batch order
@@ -246,13 +247,13 @@ class OnlineDataset(IterableDataset, Stateful):
                     r.routed_experts = kept.experts.cpu()
         return batch
 
-    def _sample_round(self, index: int, rnd: int, prompt_ids) -> tuple[list["SampledGroup"], float, int]:
+    def _sample_round(self, index: int, rnd: int, prompt_ids) -> tuple[list["SampledGroup"], float, int, float]:
         """One generation round of K groups: this rank samples and scores its positions, and every rank gets every
         group's rewards (advantages and loss weights are global), with filter_groups also their completions.
 
         A completion's key names the batch, the round's place and the member, never the rank: 1 rank, TP and FSDP
-        draw the same completions. Returns the groups in stream order, the slowest rank's generation seconds and
-        the largest rank's peak memory during generation (bytes).
+        draw the same completions. Returns the groups in stream order, the slowest rank's generation seconds,
+        the largest rank's peak memory during generation (bytes) and the slowest rank's reward seconds.
         """
         plan, G, K = self.plan, self.plan.group_size, self.plan.groups_per_step
         positions = [i for j in range(plan.grad_accum) for i in plan.microbatch(j)]  # my groups, in batch order
@@ -272,8 +273,10 @@ class OnlineDataset(IterableDataset, Stateful):
             self.stats.kv_cache_bytes = pool.bytes()
 
         messages, tools = turns.finish(samples.completions) if turns else (None, None)
+        start = time.perf_counter()
         texts, totals, per_fn = score_completions(self.reward_fns, self.tp_group, self.tokenizer, self.stop_ids, mine,
                                                   samples.completions, messages)
+        reward_time = time.perf_counter() - start
         masks = samples.tool_mask
         # the tokens in the loss: the model's own
         lengths = [sum(m) for m in masks] if masks is not None else [len(c) for c in samples.completions]
@@ -293,12 +296,13 @@ class OnlineDataset(IterableDataset, Stateful):
             whole = self.cfg.filter_groups or self.collate.padding_free
             share = {i: g if whole else g.figures() for i, g in mine_groups.items()}
             gathered = [None] * dist.get_world_size(self.dp_group)
-            dist.all_gather_object(gathered, (share, gen_time, gen_peak), group=self.dp_group)
-            for rank_groups, _, _ in gathered:
+            dist.all_gather_object(gathered, (share, gen_time, gen_peak, reward_time), group=self.dp_group)
+            for rank_groups, *_ in gathered:
                 for i, g in rank_groups.items():
                     groups.setdefault(i, g)
-            gen_time, gen_peak = max(t for _, t, _ in gathered), max(p for _, _, p in gathered)
-        return [groups[i] for i in range(K)], gen_time, gen_peak
+            gen_time, gen_peak = max(g[1] for g in gathered), max(g[2] for g in gathered)
+            reward_time = max(g[3] for g in gathered)
+        return [groups[i] for i in range(K)], gen_time, gen_peak, reward_time
 
     def _log(self, index: int, groups: list["SampledGroup"]) -> None:
         folder = Path(self.dump_folder) / "completions"

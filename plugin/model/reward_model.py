@@ -291,17 +291,24 @@ class RewardModel:
     @torch.no_grad()
     def rewards(self, prompts, completions: list, completion_ids: list[list[int]], stop_ids: list[int]) -> list[float]:
         """One score per completion; every rank calls it (the module's doc, 4), with no completions too."""
-        seqs = self.inputs(prompts, completions, completion_ids, list(stop_ids) or [0])
-        module = self._module()
-        job = self._job()
-        device = self.device
+        module, job = self._module(), self._job()
+        device, pd = self.device, job.parallel_dims
+        failure, seqs = None, []
+        try:
+            seqs = self.inputs(prompts, completions, completion_ids, list(stop_ids) or [0])
+        except RewardModelError as e:
+            failure = e
         chunks = _chunks([len(s) for s in seqs], self.max_tokens)
-        # FSDP's gathers and EP's all-to-alls run in every forward: as many forwards on every rank
-        pd = job.parallel_dims
         if dist.is_initialized() and dist.get_world_size() > 1 and (pd.fsdp_enabled or pd.ep_enabled):
-            count = torch.tensor([len(chunks)], device=device)
-            dist.all_reduce(count, op=dist.ReduceOp.MAX)
-            chunks += [[]] * (int(count) - len(chunks))
+            # FSDP's gathers and EP's all-to-alls run in every forward: as many forwards on every rank, and a rank
+            # that cannot score stops its peers too, rather than leaving them in a collective
+            agreed = torch.tensor([len(chunks), failure is not None], device=device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+            if failure is None and agreed[1]:
+                raise RewardModelError(f"{self.key}: another rank's completions cannot be scored (its log says why)")
+            chunks += [[]] * (int(agreed[0]) - len(chunks))
+        if failure is not None:
+            raise failure
         amp = maybe_enable_amp(job.parallel_dims, self.job_config.training.mixed_precision_param, device.type)
         scores = [0.0] * len(seqs)
         with offloaded(module, device, self.offload), amp:

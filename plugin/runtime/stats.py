@@ -178,6 +178,7 @@ class OnlineStats:
 
     def _clear(self) -> None:
         self.batches, self.gen_time, self.tokens, self.seqs, self.truncated, self.len_max = 0, 0.0, 0, 0, 0, 0
+        self.reward_time = 0.0
         self.groups_dropped, self.extra_rounds = 0, 0
         self.gen_peak = 0
         self.calls, self.failures, self.turns = 0, 0, 0
@@ -186,10 +187,12 @@ class OnlineStats:
         self.rewards: list[list[float]] = [[] for _ in self.reward_names]
 
     def record(self, gen_time: float, gen_peak: int, lengths: list[int], truncated: list[bool],
-               rewards: list[list[float]], tools: list | None = None) -> None:
+               rewards: list[list[float]], tools: list | None = None, reward_time: float = 0.0) -> None:
         """One sampled global batch: the slowest rank's generation seconds, the largest rank's peak memory
         during generation (bytes), and every completion's figures: its tokens in the loss (a multi-turn
-        one's tool turns are not), and with tools its ToolFigures (plugin.data.turns)."""
+        one's tool turns are not), and with tools its ToolFigures (plugin.data.turns); the slowest rank's
+        seconds scoring it (reward functions and models)."""
+        self.reward_time += reward_time
         for f in tools or []:
             self.calls, self.failures, self.turns = self.calls + f.calls, self.failures + f.failures, self.turns + f.turns
         self.batches += 1
@@ -229,6 +232,8 @@ class OnlineStats:
             "online/generation_peak_memory(GiB)": self.gen_peak / GIB,
             "online/kv_cache_GiB": self.kv_cache_bytes / GIB,
             "online/generated_tokens_per_s": self.tokens / self.gen_time if self.gen_time > 0 else 0.0,
+            "online/reward_time(s)": self.reward_time / self.batches,
+            "online/reward_share": self.reward_time / wall if wall > 0 else 0.0,
             "online/completion_length_mean": self.tokens / self.seqs,
             "online/completion_length_max": float(self.len_max),
             "online/truncated_fraction": self.truncated / self.seqs,
