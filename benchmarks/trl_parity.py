@@ -350,6 +350,10 @@ TABLES = {
     "rm_learning": dict(script="trl_parity.py", pick=table_rows),
     "rm_learning_train": dict(script="trl_parity.py", pick=train_table_rows),
     "rm_learning_replies": dict(script="trl_parity.py", pick=replies_table_rows),
+    # the same with a reward model trained without hard negatives (train_reward_model.py --no-hard-negatives)
+    "rm_learning_v1": dict(script="trl_parity.py", pick=table_rows),
+    "rm_learning_v1_train": dict(script="trl_parity.py", pick=train_table_rows),
+    "rm_learning_v1_replies": dict(script="trl_parity.py", pick=replies_table_rows),
 }
 
 

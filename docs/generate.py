@@ -37,6 +37,7 @@ OWNERS = {
     "memcheck_sampler": "memcheck_sampler",
     "online_learning": "learning_signal", "padding_free": "padding_free", "reference_offload": "reference_offload", "repeat_test": "repeat_test",
     "rollout_scale": "rollout_scale", "smollm2_learning": "smollm2_learning", "step_time": "step_time",
+    "reward_model": "train_reward_model", "reward_model_speed": "reward_model_speed", "rm_learning": "trl_parity",
     "tool_learning": "tool_learning", "trl_parity": "trl_parity", "moe": "moe",
     "vllm_learning": "trl_parity", "vllm_rollouts": "vllm_rollouts", "vllm_sync": "vllm_sync",
 }

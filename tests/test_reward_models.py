@@ -147,6 +147,22 @@ def test_scores_equal_transformers(checkpoints, kind, chat):
     assert len(set(round(s, 3) for s in scores)) > 1  # the scores tell the completions apart
 
 
+def test_a_tool_trajectory_is_part_of_the_completion_it_reads(checkpoints):
+    """With [online] tools a completion is TRL's message list (assistant turn with its calls, the tool's answer, the
+    final reply): the reward model reads all of it, rendered by its template, as transformers does."""
+    folder = checkpoints["qwen3"]
+    prompts, _, _, stops = sampled(folder, chat=True)
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}
+    trajectories = [[{"role": "assistant", "content": "", "tool_calls": [call]},
+                     {"role": "tool", "name": "add", "content": answer},
+                     {"role": "assistant", "content": f"it is {answer}"}] for answer in ("5", "6", "5", "7")]
+    ids = [[7, 8, stops[0], 9, 10, stops[0]]] * 4  # not read: the policy's folder is not the reward model's
+    model, scores = plugin_scores(folder, prompts, trajectories, ids, stops)
+    expected = oracle(folder, prompts, trajectories)
+    assert max(abs(a - b) for a, b in zip(scores, expected)) < 1e-5
+    assert scores[0] == pytest.approx(scores[2], abs=1e-6) and abs(scores[0] - scores[1]) > 1e-4  # the tool's answer counts
+
+
 LAYOUTS = {"fsdp2": (dict(dp_shard=2, tp=1), ("--parallelism.data_parallel_shard_degree", "2",
                                                "--parallelism.tensor_parallel_degree", "1")),
            "tp2": (dict(dp_shard=1, tp=2), ("--parallelism.data_parallel_shard_degree", "1",
