@@ -163,6 +163,21 @@ def test_a_tool_trajectory_is_part_of_the_completion_it_reads(checkpoints):
     assert scores[0] == pytest.approx(scores[2], abs=1e-6) and abs(scores[0] - scores[1]) > 1e-4  # the tool's answer counts
 
 
+@pytest.mark.slow  # inductor compiles the blocks
+def test_compiled_blocks_score_as_eager(checkpoints):
+    """[compile] enable with the model component: torchtitan's parallelize compiles the reward model's blocks, as
+    the reference's; the scores are eager's to fp32 rounding, and another call's lengths compile nothing new that
+    fails."""
+    folder = checkpoints["qwen3"]
+    prompts, completions, ids, stops = sampled(folder, chat=True)
+    _, eager = plugin_scores(folder, prompts, completions, ids, stops)
+    compile_ = ("--compile.enable", "--compile.components", "model")
+    model, compiled = plugin_scores(folder, prompts, completions, ids, stops, *compile_)
+    assert type(next(iter(model.module.layers.values()))).__name__ == "OptimizedModule"
+    assert compiled == pytest.approx(eager, abs=1e-5)
+    assert model.rewards(prompts[:3], completions[:3], ids[:3], stops) == pytest.approx(eager[:3], abs=1e-5)
+
+
 LAYOUTS = {"fsdp2": (dict(dp_shard=2, tp=1), ("--parallelism.data_parallel_shard_degree", "2",
                                                "--parallelism.tensor_parallel_degree", "1")),
            "tp2": (dict(dp_shard=1, tp=2), ("--parallelism.data_parallel_shard_degree", "1",
