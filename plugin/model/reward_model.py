@@ -238,8 +238,12 @@ class RewardModel:
         self.shares_tokenizer = _same_file(path / "tokenizer.json", policy / "tokenizer.json") and \
             _same_template(self.chat, ChatTemplate.from_folder(str(policy), job_config.rollout_data.chat_template_path))
         self.max_tokens = job_config.online.reward_model_max_token_len
-        self.module: nn.Module | None = None
-        self.weights_bytes = 0
+        self.module: nn.Module | None = None  # built at the first scoring, with what follows
+        self.device, self._tp, self.offload, self.weights_bytes = None, 1, False, 0
+        logger.info(f"{key}: a reward model, {arch} ({self.args.n_layers} layers of {self.args.dim}), checked; "
+                    "it is built and loaded at its first scoring, "
+                    + ("reading the ids the policy sampled (it shares the policy's tokenizer and chat template)"
+                       if self.shares_tokenizer else "reading the decoded text with its own tokenizer"))
 
     def check_prompts(self, prompts, key: str) -> None:
         """Start-up: conversational prompts need the reward model's chat template."""
@@ -368,9 +372,7 @@ class RewardModel:
             module.to("cpu")
         self.weights_bytes = sum(_local(p).numel() * _local(p).element_size() for p in module.parameters())
         logger.info(f"{self.key}: reward model {self.family} ({sum(p.numel() for p in module.parameters()):,} "
-                    f"parameters, {self.weights_bytes / 2**20:.1f} MiB on this rank) loaded from {self.folder}"
-                    + (", sharing the policy's tokenizer and chat template (no decode/encode round trip)"
-                       if self.shares_tokenizer else ""))
+                    f"parameters, {self.weights_bytes / 2**20:.1f} MiB on this rank) loaded from {self.folder}")
         return module
 
 
