@@ -169,7 +169,7 @@ def labelled(p: dict, text: str, chat, tokenizer, sum_correct) -> dict:
 def build_reward_model(train_layers: int):
     """The plugin's llama3 ScoreModel at SmolLM2's shape, its trunk SmolLM2's weights, the head zero."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
     from torchtitan.protocols.train_spec import get_train_spec
 
     from plugin.model.reward_model import HEAD, model_args, score_model_cls
@@ -186,7 +186,7 @@ def build_reward_model(train_layers: int):
     trunk = {k: v for k, v in get_model_state_dict(model).items() if k != HEAD}
     hf = adapter.to_hf(trunk)
     dcp.load(hf, storage_reader=adapter.get_hf_storage_reader(str(HF)))
-    set_model_state_dict(model, adapter.from_hf(hf), options=_non_strict())
+    set_model_state_dict(model, adapter.from_hf(hf), options=StateDictOptions(strict=False))
     model.configure(Scoring(), padding_free=True)
     model.requires_grad_(False)
     layers = list(model.layers.values())
@@ -195,27 +195,15 @@ def build_reward_model(train_layers: int):
     return model, args, adapter
 
 
-def _non_strict():
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(strict=False)
-
-
-def packed(batch: list[list[int]]):
-    from plugin.data.batch import packed_positions
-
-    lens = torch.tensor([len(s) for s in batch])
-    tokens = torch.tensor([[t for s in batch for t in s]])
-    return tokens, packed_positions(lens, tokens.shape[1]), torch.cumsum(lens, 0) - 1
-
-
 @torch.no_grad()
 def scores(model, replies: list[dict], batch: int = 64) -> list[float]:
+    from plugin.model.reward_model import packed_row
+
     model.eval()
     out = []
     with torch.autocast("cpu", dtype=torch.bfloat16):
         for s in range(0, len(replies), batch):
-            out += model(*packed([r["ids"] for r in replies[s:s + batch]])).tolist()
+            out += model(*packed_row([r["ids"] for r in replies[s:s + batch]])).tolist()
     return out
 
 
@@ -223,7 +211,9 @@ def auc(scores_: list[float], labels: list[float]) -> float:
     """ROC AUC: the chance that a right reply outscores a wrong one (ties half)."""
     pos = [a for a, b in zip(scores_, labels) if b == 1]
     neg = [a for a, b in zip(scores_, labels) if b == 0]
-    return sum((p > n) + 0.5 * (p == n) for p in pos for n in neg) / max(1, len(pos) * len(neg))
+    if not pos or not neg:  # undefined (a small smoke run)
+        return float("nan")
+    return sum((p > n) + 0.5 * (p == n) for p in pos for n in neg) / (len(pos) * len(neg))
 
 
 def judge(model, replies: list[dict]) -> dict:
@@ -231,7 +221,10 @@ def judge(model, replies: list[dict]) -> dict:
     the AUC among replies of the start model's usual form "a + b = c" alone (does it check the sum, or the form?),
     and the share of right replies."""
     s, y = scores(model, replies), [r["label"] for r in replies]
-    hit = lambda label: statistics.mean((a > 0) == (label == 1) for a, b in zip(s, y) if b == label)  # noqa: E731
+    def hit(label):  # the hit rate of the replies with this label; NaN where there are none (a small smoke run)
+        picked = [(a > 0) == (label == 1) for a, b in zip(s, y) if b == label]
+        return statistics.mean(picked) if picked else float("nan")
+
     form = [i for i, r in enumerate(replies) if SUM_FORM.fullmatch(r["reply"].strip())]
     return dict(accuracy=sum((a > 0) == (b == 1) for a, b in zip(s, y)) / len(y), auc=auc(s, y),
                 balanced_accuracy=(hit(1) + hit(0)) / 2, same_form_auc=auc([s[i] for i in form], [y[i] for i in form]),
@@ -239,6 +232,8 @@ def judge(model, replies: list[dict]) -> dict:
 
 
 def train(model, replies: list[dict], args) -> list[float]:
+    from plugin.model.reward_model import packed_row
+
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     right = sum(r["label"] for r in replies)
@@ -253,7 +248,7 @@ def train(model, replies: list[dict], args) -> list[float]:
         for s in range(0, len(order) - args.batch + 1, args.batch):
             batch = [replies[i] for i in order[s:s + args.batch]]
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                logits = model(*packed([r["ids"] for r in batch]))
+                logits = model(*packed_row([r["ids"] for r in batch]))
             labels = torch.tensor([r["label"] for r in batch])
             loss = F.binary_cross_entropy_with_logits(logits, labels, pos_weight=pos_weight)
             opt.zero_grad()

@@ -337,23 +337,22 @@ def replies_table_rows(rows: list[dict]) -> list[dict]:
     return [{**r, "reply": r["reply"].replace("|", "\\|").replace("\n", "⏎")} for r in rows]
 
 
+def run_tables(name: str) -> dict:
+    """A --name's three tables: <name>.csv, <name>_train.csv and <name>_replies.csv."""
+    return {name: dict(script="trl_parity.py", pick=table_rows),
+            f"{name}_train": dict(script="trl_parity.py", pick=train_table_rows),
+            f"{name}_replies": dict(script="trl_parity.py", pick=replies_table_rows)}
+
+
 # CSV name prefix -> how results_md shows it (docs/generate.py reads this too)
 TABLES = {
-    "trl_parity": dict(script="trl_parity.py", pick=table_rows),
-    "trl_parity_train": dict(script="trl_parity.py", pick=train_table_rows),
-    "trl_parity_replies": dict(script="trl_parity.py", pick=replies_table_rows),
-    # --only ours_vllm --name vllm_learning: the same tables of the vLLM-sampled runs
-    "vllm_learning": dict(script="trl_parity.py", pick=table_rows),
-    "vllm_learning_train": dict(script="trl_parity.py", pick=train_table_rows),
-    "vllm_learning_replies": dict(script="trl_parity.py", pick=replies_table_rows),
+    **run_tables("trl_parity"),
+    **run_tables("vllm_learning"),  # --only ours_vllm --name vllm_learning: the vLLM-sampled runs
     # --only ours --config train_configs/smollm2_rm_cpu.toml --name rm_learning: a learned reward model's runs
-    "rm_learning": dict(script="trl_parity.py", pick=table_rows),
-    "rm_learning_train": dict(script="trl_parity.py", pick=train_table_rows),
-    "rm_learning_replies": dict(script="trl_parity.py", pick=replies_table_rows),
-    # the same with a reward model trained without hard negatives (train_reward_model.py --no-hard-negatives)
-    "rm_learning_v1": dict(script="trl_parity.py", pick=table_rows),
-    "rm_learning_v1_train": dict(script="trl_parity.py", pick=train_table_rows),
-    "rm_learning_v1_replies": dict(script="trl_parity.py", pick=replies_table_rows),
+    **run_tables("rm_learning"),
+    # the same without the KL term, its reward model trained on the sampled replies alone
+    # (train_reward_model.py --no-hard-negatives --contrast 0)
+    **run_tables("rm_learning_v1"),
 }
 
 

@@ -29,7 +29,7 @@ from torchtitan.tools.logging import logger
 from plugin.data.loader import build_encoder
 from plugin.data.online import online_sampler, sample_key
 from plugin.data.prompts import load_prompts, resolve_stop_ids
-from plugin.data.rewards import load_reward_fns, score_completions
+from plugin.data.rewards import check_model_prompts, load_reward_fns, score_completions
 from plugin.data.turns import build_tool_setup
 
 EVAL_BATCH = -1  # the batch index of sample_key for evaluations: no training batch has it
@@ -151,9 +151,7 @@ def build_grpo_evaluator(job_config, dp_world_size: int, dp_rank: int, tokenizer
     if tools:
         tools.check_prompts(prompts, "[validation] dataset_path")
     reward_fns = load_reward_fns(online.reward_funcs, online.reward_weights, job_config)
-    for f in reward_fns:
-        if f.model is not None:
-            f.model.check_prompts(prompts, "[validation] dataset_path")
+    check_model_prompts(reward_fns, prompts, "[validation] dataset_path")
     evaluator = GRPOEvaluator(job_config, prompts, reward_fns,
                               tokenizer, stop_ids, pad_id, dp_rank, dp_world_size, parallel_dims, metrics_processor,
                               tools)

@@ -39,7 +39,7 @@ from torchtitan.tools.logging import logger
 
 from plugin.data.batch import GroupStream, Rollouts
 from plugin.data.prompts import Prompt, load_prompts, resolve_stop_ids
-from plugin.data.rewards import load_reward_fns, score_completions
+from plugin.data.rewards import check_model_prompts, load_reward_fns, score_completions
 from plugin.data.rollouts import Completion, RolloutError
 from plugin.data.turns import ToolFigures, ToolSetup, build_tool_setup
 from plugin.generation.engine import KVPool, build_sampler
@@ -362,9 +362,7 @@ def build_online_dataset(job_config, job: GRPOJob, tokenizer, encoder, batching)
                                     max_new_tokens=online.max_new_tokens, on_error=cfg.on_error)
     if tools:
         tools.check_prompts(prompts, "[training] dataset_path")
-    for f in reward_fns:
-        if f.model is not None:
-            f.model.check_prompts(prompts, "[training] dataset_path")
+    check_model_prompts(reward_fns, prompts, "[training] dataset_path")
     job.stats.skipped_rows = skipped
     job.online_stats = OnlineStats([f.name for f in reward_fns], online.filter_groups, tools=tools is not None)
     plan, collate = batching(G, len(prompts), "prompts", sampled=True)

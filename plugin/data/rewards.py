@@ -52,7 +52,7 @@ def load_reward_fns(specs: list[str], weights: list[float], job_config=None) -> 
     fns = []
     for i, spec in enumerate(specs):
         key = f"[online] reward_funcs[{i}] = {spec!r}"
-        if job_config is not None and _is_folder(spec):
+        if job_config is not None and Path(spec).is_dir():
             from plugin.job import GRPOJob
 
             model = GRPOJob.of(job_config).reward_model(spec, key, job_config)
@@ -75,10 +75,11 @@ def load_reward_fns(specs: list[str], weights: list[float], job_config=None) -> 
     return fns
 
 
-def _is_folder(spec: str) -> bool:
-    from plugin.model.reward_model import is_reward_model
-
-    return is_reward_model(spec)
+def check_model_prompts(fns: list[RewardFn], prompts: list[Prompt], key: str) -> None:
+    """Start-up: the reward models can read `prompts` (the file of TOML key `key`)."""
+    for f in fns:
+        if f.model is not None:
+            f.model.check_prompts(prompts, key)
 
 
 def score(fns: list[RewardFn], prompts: list[str], completions: list[str], completion_ids: list[list[int]],

@@ -48,7 +48,7 @@ from plugin import cpu
 from plugin.data.batch import packed_positions
 from plugin.data.chat import ChatTemplate
 from plugin.data.rollouts import BadRow
-from plugin.model.policy import GRPOModel
+from plugin.model.policy import FAMILIES, GRPOModel
 from plugin.model.reference import load_reference_checkpoint, offloaded
 from plugin.runtime import internals
 
@@ -61,11 +61,6 @@ HEAD = "reward_head.weight"  # its name here (GRPOModel has a score method)
 
 class RewardModelError(ValueError):
     """A reward model entry that cannot be used: names the entry and what is wrong."""
-
-
-def is_reward_model(entry: str) -> bool:
-    """Whether a `reward_funcs` entry names a folder (a reward model) rather than "module:function"."""
-    return Path(entry).is_dir()
 
 
 class ScoreModel(GRPOModel):
@@ -97,8 +92,7 @@ _SCORE_CLASSES: dict[type, type] = {}
 
 
 def score_model_cls(base: type[nn.Module], family: str) -> type[nn.Module]:
-    from plugin.model.policy import FAMILIES
-
+    """ScoreModel over torchtitan's model class `base` of a FAMILIES family, made once per base."""
     if base not in _SCORE_CLASSES:
         _SCORE_CLASSES[base] = type(f"Score{base.__name__}", (ScoreModel, base), {"rope_buffer": FAMILIES[family]})
     return _SCORE_CLASSES[base]
@@ -313,25 +307,16 @@ class RewardModel:
             chunks += [[]] * (int(agreed[0]) - len(chunks))
         if failure is not None:
             raise failure
-        amp = maybe_enable_amp(job.parallel_dims, self.job_config.training.mixed_precision_param, device.type)
+        amp = maybe_enable_amp(pd, self.job_config.training.mixed_precision_param, device.type)
         scores = [0.0] * len(seqs)
         with offloaded(module, device, self.offload), amp:
             for chunk in chunks:
-                tokens, positions, last = self._packed([seqs[i] for i in chunk] or [[0]], device)
-                values = module(tokens, positions, last).tolist()
+                row = packed_row([seqs[i] for i in chunk] or [[0]], self._tp)
+                values = module(*(t.to(device) for t in row)).tolist()
                 for i, v in zip(chunk, values):
                     scores[i] = v
         internals.end_forward_only_iteration(module)  # no backward follows: FSDP's records of the forwards go
         return scores
-
-    def _packed(self, seqs: list[list[int]], device):
-        tp = self._tp
-        lens = torch.tensor([len(s) for s in seqs])
-        width = -(-int(lens.sum()) // tp) * tp  # sequence parallelism shards the row over the TP ranks
-        tokens = torch.zeros(1, width, dtype=torch.long)
-        tokens[0, : int(lens.sum())] = torch.tensor([t for s in seqs for t in s])
-        last = torch.cumsum(lens, 0) - 1
-        return tokens.to(device), packed_positions(lens, width).to(device), last.to(device)
 
     def _job(self):
         from plugin.job import GRPOJob
@@ -374,6 +359,16 @@ class RewardModel:
         logger.info(f"{self.key}: reward model {self.family} ({sum(p.numel() for p in module.parameters()):,} "
                     f"parameters, {self.weights_bytes / 2**20:.1f} MiB on this rank) loaded from {self.folder}")
         return module
+
+
+def packed_row(seqs: list[list[int]], multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`seqs` as ScoreModel.forward's input: one [1, T] row of them end to end (T a multiple of `multiple`, the TP
+    degree, which sequence parallelism shards it by), its positions, and each sequence's last index."""
+    lens = torch.tensor([len(s) for s in seqs])
+    width = -(-int(lens.sum()) // multiple) * multiple
+    tokens = torch.zeros(1, width, dtype=torch.long)
+    tokens[0, : int(lens.sum())] = torch.tensor([t for s in seqs for t in s])
+    return tokens, packed_positions(lens, width), torch.cumsum(lens, 0) - 1
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
