@@ -6,6 +6,7 @@ while the config is parsed; `validate_job` checks what spans sections, once, at 
 
 import math
 import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
@@ -266,6 +267,27 @@ class Online:
     vllm_seed_per_request: bool = False
     """Seed each completion's draws from its own key (and each tool round's from its length), as the built-in sampler does: the draws then do not depend on the batch or the layout. On CPU, vLLM then prefills every prompt whole (no chunked prefill). false: each generate call seeded from its requests, the batch's draws one stream (TRL's way: one seed per engine)."""
 
+    generator_mode: Literal["colocate", "local", "remote"] = "colocate"
+    """Where batches are sampled: "colocate", in the training ranks between steps; "local", in generator processes that the trainer's rank 0 starts on this machine; "remote", in generator processes started by their own command (`torchrun -m plugin.generator`, docs/async.md) at generator_host:generator_port. A separate generator draws, scores and evaluates while the trainer trains; the trainer pushes its weights after every step."""
+
+    generator_tensor_parallel_size: int = 1
+    """Processes of the separate generator, one engine over them (its tensor-parallel degree; TRL's vllm_tensor_parallel_size)."""
+
+    generator_host: str = "127.0.0.1"
+    """The generators' address (TRL's vllm_server_host): their rank 0 serves the rendezvous there. Keep it on the cluster's private network: torch.distributed has no authentication."""
+
+    generator_port: int = 0
+    """The generators' rendezvous port (TRL's vllm_server_port); 0 with generator_mode = "local": a free one."""
+
+    generator_devices: list[int] = field(default_factory=list)
+    """generator_mode = "local": the generator processes' devices. On a GPU machine CUDA device indices, one per process (the trainer ranks keep theirs); on CPU the cores they run on, shared out among them, and the trainer ranks take the other cores. [] = no placement (CPU: the processes share every core)."""
+
+    generator_timeout: float = 240.0
+    """Seconds the trainer waits for the generators (a batch, an evaluation, a weight push) before it stops with an error naming them (TRL's vllm_server_timeout)."""
+
+    max_staleness: int = 0
+    """With a separate generator, how many policy versions a batch may be drawn before the step that first trains it (TRL's async max_staleness; verl's staleness_threshold, torchforge's max_policy_age, AReaL's max_head_offpolicyness, PRIME-RL's max_async_level, NeMo-RL's max_trajectory_age_steps, TitanRL's target_offpolicy_steps): batch b is drawn with the weights of step b * num_iterations - max_staleness, so up to this many batches are drawn ahead. 0 = synchronous: the same draws as colocated. >= 1 needs behavior_logprobs = "sampler"."""
+
     def __post_init__(self):
         _check_types("online", self)
         _check("online", "num_generations", self.num_generations, self.num_generations >= 2,
@@ -311,6 +333,14 @@ class Online:
                self.max_tool_calling_iterations >= -1, ">= 0, or -1 (no limit)")
         _check("online", "tool_timeout", self.tool_timeout, self.tool_timeout >= 0 and math.isfinite(self.tool_timeout),
                "a finite number of seconds >= 0 (0 = no limit)")
+        _check("online", "generator_tensor_parallel_size", self.generator_tensor_parallel_size,
+               self.generator_tensor_parallel_size >= 1, ">= 1")
+        _check("online", "generator_port", self.generator_port, 0 <= self.generator_port <= 65535, "a port, 0-65535")
+        for i, d in enumerate(self.generator_devices):
+            _check("online", f"generator_devices[{i}]", d, d >= 0, "a device or core index >= 0")
+        _check("online", "generator_timeout", self.generator_timeout,
+               self.generator_timeout > 0 and math.isfinite(self.generator_timeout), "a finite number of seconds > 0")
+        _check("online", "max_staleness", self.max_staleness, self.max_staleness >= 0, ">= 0")
         if self.enable and not self.reward_funcs:
             raise ValueError('[online] enable = true needs [online] reward_funcs, e.g. ["plugin.example:arith_reward"]')
 
@@ -446,8 +476,48 @@ def validate_job(job_config) -> None:
         )
     check_evaluation(job_config)
     check_vllm(job_config)
+    check_generator(job_config)
     check_resume_checkpoint(job_config)
     check_restart_launch()
+
+
+def check_generator(job_config) -> None:
+    """A separate generator ([online] generator_mode): its settings fit the run, and max_staleness has one."""
+    o = job_config.online
+    if o.generator_mode == "colocate":
+        if o.max_staleness:
+            raise ValueError(f"[online] max_staleness = {o.max_staleness} needs a separate generator: set [online] "
+                             'generator_mode = "local" (or "remote"); colocated sampling is always on-policy')
+        return
+    key = f'[online] generator_mode = "{o.generator_mode}"'
+    if not o.enable:
+        raise ValueError(f"{key} samples online batches: set [online] enable = true")
+    if o.use_vllm:
+        raise ValueError(f"{key} with [online] use_vllm = true: the generator processes run the built-in engine; "
+                         "vLLM runs colocated only (docs/async.md)")
+    if o.max_staleness and o.behavior_logprobs != "sampler":
+        raise ValueError(f"[online] max_staleness = {o.max_staleness} trains on batches drawn by older weights: set "
+                         '[online] behavior_logprobs = "sampler" (the ratio to the sampler that drew them, truncated '
+                         "at [grpo] behavior_ratio_cap)")
+    if o.generator_mode == "remote" and not o.generator_port:
+        raise ValueError('[online] generator_mode = "remote" needs [online] generator_port: the port the generators\' '
+                         "rendezvous listens on (their command's --online.generator_port)")
+    try:
+        socket.getaddrinfo(o.generator_host, o.generator_port or None)
+    except OSError as e:
+        raise ValueError(f"[online] generator_host = {o.generator_host!r} does not resolve: {e}") from None
+    tp = o.generator_tensor_parallel_size
+    if o.generator_mode == "local" and o.generator_devices:
+        if not cpu.is_active() and len(o.generator_devices) != tp:
+            raise ValueError(f"[online] generator_devices = {o.generator_devices} names {len(o.generator_devices)} "
+                             f"GPUs for [online] generator_tensor_parallel_size = {tp} processes: one each")
+        if cpu.is_active():
+            cores = sorted(os.sched_getaffinity(0))
+            missing = [c for c in o.generator_devices if c not in cores]
+            if missing or len(o.generator_devices) < tp:
+                raise ValueError(f"[online] generator_devices = {o.generator_devices}: "
+                                 + (f"cores {missing} are not among this process's {cores}" if missing else
+                                    f"fewer cores than the {tp} generator processes"))
 
 
 def check_vllm(job_config) -> None:

@@ -13,6 +13,7 @@ So what they share is one `GRPOJob`, made by the first builder that asks for it
 | vllm           | the first [online] use_vllm sampler  | training's and evaluation's samplers; the metrics processor closes it |
 | kv_pool        | the first built-in sampler           | training's and evaluation's samplers: one KV cache for the run |
 | reward_models  | the first reward list naming a folder | training's and evaluation's reward lists: one copy per folder |
+| remote         | the online dataset, with a separate generator | evaluation (the generators evaluate); the metrics processor closes it |
 
 The optimizer builder gets the policy from torchtitan and its reference and stats from it.
 """
@@ -33,6 +34,7 @@ class GRPOJob:
         self.vllm = None  # [online] use_vllm: this rank's engine (plugin.generation.vllm), built at the first generation
         self.kv_pool = None  # the built-in engine's KV cache (plugin.generation.engine.KVPool), made with its sampler
         self.reward_models = {}  # folder -> plugin.model.reward_model.RewardModel, built at its first scoring
+        self.remote = None  # [online] generator_mode: the link to the generators (plugin.generation.remote)
 
     def reward_model(self, folder: str, key: str, job_config):
         """The job's reward model of `folder` (checked now, built at its first scoring), made at the first call."""

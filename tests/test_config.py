@@ -147,7 +147,9 @@ OUT_OF_RANGE = {
                    mask_truncated_completions="", max_num_seqs=-1, stop_check_every=0, compile_decode="",
                    tools=["no_colon"], max_tool_calling_iterations=-2, tool_call_format="", tool_timeout=-1.0,
                    use_vllm="", vllm_mode="remote", vllm_tensor_parallel_size=-1, vllm_gpu_memory_utilization=1.5,
-                   vllm_enable_sleep_mode="", vllm_max_model_length=-1, vllm_seed_per_request=""),
+                   vllm_enable_sleep_mode="", vllm_max_model_length=-1, vllm_seed_per_request="",
+                   generator_mode="server", generator_tensor_parallel_size=0, generator_host="", generator_port=70000,
+                   generator_devices=[-1], generator_timeout=0.0, max_staleness=-1),
     "moe": dict(router_bias_update_rate=-1.0, router_replay="R1"),
 }
 SECTIONS = {"grpo": grpo_config.GRPO, "reference_model": grpo_config.ReferenceModel,

@@ -31,6 +31,7 @@ from plugin.data.online import online_sampler, sample_key
 from plugin.data.prompts import load_prompts, resolve_stop_ids
 from plugin.data.rewards import check_model_prompts, load_reward_fns, score_completions
 from plugin.data.turns import build_tool_setup
+from plugin.job import GRPOJob
 
 EVAL_BATCH = -1  # the batch index of sample_key for evaluations: no training batch has it
 
@@ -68,6 +69,13 @@ class GRPOEvaluator(BaseValidator):
     @torch.no_grad()
     def validate(self, model_parts, step: int) -> None:
         online = self.job_config.online
+        remote = GRPOJob.of(self.job_config).remote
+        if remote is not None:  # a separate generator evaluates, with the weights of this step (pushed now)
+            metrics = remote.evaluation(step)
+            self.metrics_processor.logger.log(metrics, step)
+            logger.info(f"Evaluation after step {step} (by the generators): reward {metrics['eval/reward_mean']:.4f}, "
+                        f"full reward {metrics['eval/full_reward_share']:.1%} ({metrics['eval/time(s)']:.1f} s)")
+            return
         if self.model is not model_parts[0]:
             self.model = model_parts[0]
             # eval_temperature 0 takes the sampler's greedy path: the argmax, without noise

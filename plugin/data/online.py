@@ -69,6 +69,28 @@ class SampledGroup:
         return SampledGroup(None, self.rewards, self.lengths, self.truncated, self.fn_rewards, tools=self.tools)
 
 
+@dataclass
+class Drawn:
+    """One global batch as drawn: its K groups, completions included, and the figures of every group sampled for it
+    (with filter_groups more than K). A generator process sends it whole to the trainer (plugin.generation.remote)."""
+
+    groups: list[SampledGroup]
+    gen_time: float  # the slowest rank's seconds generating
+    gen_peak: int  # the largest rank's peak memory while generating (bytes)
+    reward_time: float
+    lengths: list[int]  # every sampled completion's tokens in the loss
+    truncated: list[bool]
+    fn_rewards: list[list[float]]  # per reward function, per sampled completion
+    tools: list | None  # every sampled completion's ToolFigures (multi-turn)
+    dropped: int  # filter_groups: equal-reward groups left out
+    rounds: int
+    stream_start: int  # the prompt stream's positions it took: [stream_start, stream_end)
+    stream_end: int
+    kv_cache_bytes: int = 0
+    version: int = -1  # a generator's: the policy version (optimizer steps) of the weights that drew it
+    idle_share: float = 0.0  # a generator's: the share of its time since the last batch spent waiting for weights
+
+
 def online_sampler(policy, job_config, parallel_dims, *, stop_ids: list[int], temperature: float, pad_id: int):
     """The sampler of the job's [online] settings over `policy`, for training batches and for evaluation alike:
     the built-in one, or with use_vllm one over the job's vLLM engine (built at the first call)."""
@@ -121,6 +143,9 @@ class OnlineDataset(IterableDataset, Stateful):
         self.batch_index, self.iteration, self.microbatch = 0, 0, 0
         self.batch: list[dict] | None = None
         self.policy, self.sampler, self.dp_group, self.tp_group, self.writes_log = None, None, None, None, True
+        # a separate generator ([online] generator_mode): the link to it, the batches received (in order), and
+        # those a checkpoint holds that were drawn but not yet trained on
+        self.remote, self.fetched, self.held = None, 0, {}
 
     def _start(self) -> None:
         """The parallelized policy (built after this dataset) to sample from, its sampler and the DP group."""
@@ -134,8 +159,20 @@ class OnlineDataset(IterableDataset, Stateful):
         self.writes_log = tp == 1 or parallel_dims.get_optional_mesh("tp").get_local_rank() == 0  # TP peers agree
         if tp > 1:  # TP peers sample the same completions: each scores a share of them
             self.tp_group = parallel_dims.get_optional_mesh("tp").get_group()
+        if self.cfg.generator_mode != "colocate":  # the generator processes sample: this rank never does
+            from plugin.generation.remote import TrainerLink
+
+            self.remote = self.job.remote = TrainerLink(self.job_config, self.policy, self.stats)
+            self.fetched, self.stream_pos = self.remote.start(self.fetched, self.stream_pos, self.held,
+                                                              self.steps_done(), self.plan.dp_world_size)
+            return
         self.sampler = online_sampler(self.policy, self.job_config, parallel_dims, stop_ids=self.stop_ids,
                                       temperature=self.temperature, pad_id=self.pad_id)
+
+    def steps_done(self) -> int:
+        """Optimizer steps taken before the next microbatch: the policy's version."""
+        done = self.microbatch == self.plan.grad_accum
+        return self.batch_index * self.cfg.num_iterations + self.iteration + done
 
     def __iter__(self):
         plan, mu = self.plan, self.cfg.num_iterations
@@ -144,6 +181,10 @@ class OnlineDataset(IterableDataset, Stateful):
                 self.iteration, self.microbatch = self.iteration + 1, 0
             if self.iteration == mu:
                 self.batch_index, self.iteration, self.batch = self.batch_index + 1, 0, None
+            if self.microbatch == 0 and self.cfg.generator_mode != "colocate":
+                if self.remote is None:
+                    self._start()
+                self.remote.push(self.steps_done())  # the weights of every step, before the step's first microbatch
             if self.batch is None:
                 if self.iteration or self.microbatch:
                     raise RolloutError("the data position is inside a replayed batch that the checkpoint does not hold")
@@ -162,15 +203,30 @@ class OnlineDataset(IterableDataset, Stateful):
 
     @torch.no_grad()
     def sample_batch(self, index: int) -> list[dict]:
-        """Sample, reward and cut global batch `index`: this rank's microbatches.
+        """Global batch `index`, drawn here or by the generator processes ([online] generator_mode), cut into this
+        rank's microbatches."""
+        if self.sampler is None and self.remote is None:
+            self._start()
+        if self.remote is not None:
+            drawn = self.held.pop(index, None) or self.remote.batch(index, self.cfg.num_iterations)
+            self.fetched = max(self.fetched, index + 1)
+            self.stream_pos = max(self.stream_pos, drawn.stream_end)
+        else:
+            drawn = self.draw(index)
+        return self.cut(index, drawn)
+
+    def draw(self, index: int, positions: list[int] | None = None) -> "Drawn":
+        """Sample and reward global batch `index`: this rank's `positions` of it (its microbatches' by default; a
+        generator process draws them all), every group's rewards gathered over the DP ranks.
 
         With [online] filter_groups, a group whose rewards are all equal (no advantage) is dropped
         and whole rounds of K more prompts are sampled from the stream until K groups are kept.
         """
         if self.sampler is None:
             self._start()
-        plan, G, K, cfg = self.plan, self.plan.group_size, self.plan.groups_per_step, self.cfg
+        K, cfg = self.plan.groups_per_step, self.cfg
         kept, dropped, sampled, gen_time, gen_peak, reward_time, rounds = [], [], [], 0.0, 0, 0.0, 0
+        stream_start = self.stream_pos
         while len(kept) < K:
             if cfg.filter_groups and cfg.max_num_gen_batches and rounds == cfg.max_num_gen_batches:
                 logger.warning(
@@ -183,7 +239,8 @@ class OnlineDataset(IterableDataset, Stateful):
                 break
             if (epoch := self.stream.epoch_starting_at(self.stream_pos, K)) is not None:
                 logger.info(f"Online prompts: epoch {epoch} starts at batch {index}")
-            groups, seconds, peak, scoring = self._sample_round(index, rounds, self.stream.groups(self.stream_pos, K))
+            groups, seconds, peak, scoring = self._sample_round(index, rounds, self.stream.groups(self.stream_pos, K),
+                                                                positions)
             self.stream_pos, rounds, gen_time = self.stream_pos + K, rounds + 1, gen_time + seconds
             reward_time += scoring
             gen_peak = max(gen_peak, peak)
@@ -193,14 +250,25 @@ class OnlineDataset(IterableDataset, Stateful):
                 break
             for g in groups:
                 (kept if len(set(g.rewards)) > 1 else dropped).append(g)
-        final = kept[:K]  # a round's surplus is left unused, as verl does
+        pool = getattr(self.sampler, "pool", None)  # the built-in engine's KV cache (vLLM keeps its own)
+        return Drawn(kept[:K], gen_time, gen_peak, reward_time, [n for g in sampled for n in g.lengths],
+                     [t for g in sampled for t in g.truncated],
+                     [[r for g in sampled for r in g.fn_rewards[k]] for k in range(len(self.reward_fns))],
+                     [f for g in sampled for f in g.tools] if self.tools else None, len(dropped), rounds,
+                     stream_start, self.stream_pos, kv_cache_bytes=pool.bytes() if pool is not None else 0)
 
-        self.stats.record(gen_time, gen_peak, [n for g in sampled for n in g.lengths],
-                          [t for g in sampled for t in g.truncated],
-                          [[r for g in sampled for r in g.fn_rewards[k]] for k in range(len(self.reward_fns))],
-                          [f for g in sampled for f in g.tools] if self.tools else None, reward_time)
+    def cut(self, index: int, drawn: "Drawn") -> list[dict]:
+        """This rank's microbatches of a drawn global batch, collated; with mu > 1 and the policy's log-probs, their
+        old log-probs."""
+        plan, G, cfg = self.plan, self.plan.group_size, self.cfg
+        final = drawn.groups  # a round's surplus is left unused, as verl does
+        if drawn.kv_cache_bytes:
+            self.stats.kv_cache_bytes = drawn.kv_cache_bytes
+        self.stats.record(drawn.gen_time, drawn.gen_peak, drawn.lengths, drawn.truncated, drawn.fn_rewards,
+                          drawn.tools, drawn.reward_time)
         if cfg.filter_groups:
-            self.stats.record_filter(len(dropped), rounds - 1)
+            self.stats.record_filter(drawn.dropped, drawn.rounds - 1)
+
         positions = [i for j in range(plan.grad_accum) for i in plan.microbatch(j)]  # my groups, in batch order
         if cfg.log_completions and self.writes_log:
             self._log(index, [final[i] for i in positions])
@@ -247,7 +315,8 @@ class OnlineDataset(IterableDataset, Stateful):
                     r.routed_experts = kept.experts.cpu()
         return batch
 
-    def _sample_round(self, index: int, rnd: int, prompt_ids) -> tuple[list["SampledGroup"], float, int, float]:
+    def _sample_round(self, index: int, rnd: int, prompt_ids,
+                      positions: list[int] | None = None) -> tuple[list["SampledGroup"], float, int, float]:
         """One generation round of K groups: this rank samples and scores its positions, and every rank gets every
         group's rewards (advantages and loss weights are global), with filter_groups also their completions.
 
@@ -256,7 +325,8 @@ class OnlineDataset(IterableDataset, Stateful):
         the largest rank's peak memory during generation (bytes) and the slowest rank's reward seconds.
         """
         plan, G, K = self.plan, self.plan.group_size, self.plan.groups_per_step
-        positions = [i for j in range(plan.grad_accum) for i in plan.microbatch(j)]  # my groups, in batch order
+        if positions is None:  # my groups, in batch order
+            positions = [i for j in range(plan.grad_accum) for i in plan.microbatch(j)]
         mine = [self.prompts[prompt_ids[i]] for i in positions for _ in range(G)]
         keys = [sample_key(self.seed, index, rnd * K + i, m) for i in positions for m in range(G)]
 
@@ -268,9 +338,6 @@ class OnlineDataset(IterableDataset, Stateful):
                 routing.capturing_samples(routing.replay == "R3") if routing is not None else nullcontext():
             samples = self.sampler.generate([p.ids for p in mine], keys, turns)
         gen_time, gen_peak = time.perf_counter() - start, memory.peak
-        pool = getattr(self.sampler, "pool", None)  # the built-in engine's KV cache (vLLM keeps its own)
-        if pool is not None:
-            self.stats.kv_cache_bytes = pool.bytes()
 
         messages, tools = turns.finish(samples.completions) if turns else (None, None)
         start = time.perf_counter()
@@ -325,6 +392,13 @@ class OnlineDataset(IterableDataset, Stateful):
         mid_batch = self.microbatch < self.plan.grad_accum or self.iteration + 1 < self.cfg.num_iterations
         if self.batch is not None and (self.iteration or self.microbatch) and mid_batch:
             state["batch"] = [dict(rec, rollouts=rec["rollouts"].to(torch.device("cpu"))) for rec in self.batch]
+        if self.remote is not None:
+            # the batches drawn by weights older than these: a resumed generator, given these, cannot draw them again
+            for index in self.remote.unrepeatable(self.fetched, self.steps_done()):
+                self.held[index] = self.remote.batch(index, self.cfg.num_iterations)
+                self.fetched = index + 1
+                self.stream_pos = self.held[index].stream_end
+            state.update(fetched=self.fetched, stream_pos=self.stream_pos, held=dict(self.held))
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -340,6 +414,8 @@ class OnlineDataset(IterableDataset, Stateful):
         # a checkpoint of a version without filter_groups: batch b drew positions [b*K, (b+1)*K)
         begun = bool(self.iteration or self.microbatch)
         self.stream_pos = state_dict.get("stream_pos", (self.batch_index + begun) * self.plan.groups_per_step)
+        self.fetched = state_dict.get("fetched", self.batch_index + begun)
+        self.held = dict(state_dict.get("held", {}))
         for record in self.batch or []:  # earlier versions kept the replays' old log-probs in the rollouts
             record.setdefault("old_logprobs", record["rollouts"].old_logprobs)
 

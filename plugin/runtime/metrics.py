@@ -11,7 +11,7 @@ from torchtitan.components.metrics import MetricsProcessor
 from plugin import cpu
 from plugin.job import GRPOJob
 from plugin.runtime.export import complete_hf_export
-from plugin.runtime.stats import GIB, GRPOStats, OnlineStats
+from plugin.runtime.stats import GIB, GRPOStats
 
 
 class PeakKeepingMemoryMonitor:
@@ -68,6 +68,9 @@ class GRPOMetricsProcessor(MetricsProcessor):
         complete_hf_export(self.job_config)
         super().close()
         leave_together()
+        if getattr(self.job, "remote", None) is not None:  # stop the generators (and wait for local ones)
+            self.job.remote.close()
+            self.job.remote = None
         if getattr(self.job, "vllm", None) is not None:  # [online] use_vllm: its teardown destroys the process groups
             self.job.vllm.close()
             self.job.vllm = None

@@ -185,6 +185,10 @@ class OnlineStats:
         self.syncs, self.sync_time, self.sync_bytes, self.sync_gathered = 0, 0.0, 0, 0
         self.prompt_tokens, self.cached_tokens = 0, 0
         self.rewards: list[list[float]] = [[] for _ in self.reward_names]
+        # a separate generator: each trained batch's version lag, the generators' version, the trainer's waits for
+        # batches, the generators' idle shares; the pushes; batches dropped as too stale
+        self.lags, self.generator_version, self.waits, self.idle = [], -1, 0.0, []
+        self.pushes, self.push_time, self.push_bytes, self.stale_dropped = 0, 0.0, 0, 0
 
     def record(self, gen_time: float, gen_peak: int, lengths: list[int], truncated: list[bool],
                rewards: list[list[float]], tools: list | None = None, reward_time: float = 0.0) -> None:
@@ -215,6 +219,21 @@ class OnlineStats:
         """[online] use_vllm: one generate call's prompt tokens, and those its prefix cache held (this rank's engine)."""
         self.cached_tokens, self.prompt_tokens = self.cached_tokens + cached, self.prompt_tokens + prompt
 
+    def record_async(self, lag: int, version: int, wait: float, idle_share: float) -> None:
+        """A separate generator's batch: versions between its weights and the step that trains it, the version that
+        drew it, the seconds the trainer waited for it, the generator's idle share while it was drawn."""
+        self.lags.append(lag)
+        self.generator_version = max(self.generator_version, version)
+        self.waits += wait
+        self.idle.append(idle_share)
+
+    def record_push(self, seconds: float, nbytes: int) -> None:
+        """One push of the weights to a separate generator (bytes sent by the trainer's rank 0)."""
+        self.pushes, self.push_time, self.push_bytes = self.pushes + 1, self.push_time + seconds, self.push_bytes + nbytes
+
+    def record_stale(self, batches: int) -> None:
+        self.stale_dropped += batches
+
     def record_filter(self, groups_dropped: int, extra_rounds: int) -> None:
         """[online] filter_groups: one batch's equal-reward groups left out, and its rounds beyond the first."""
         self.groups_dropped += groups_dropped
@@ -223,9 +242,23 @@ class OnlineStats:
     def take(self) -> dict[str, float]:
         now = time.perf_counter()
         wall, self.since = now - self.since, now
+        out = {}
+        if self.pushes:  # per push
+            out["async/push_time(s)"] = self.push_time / self.pushes
+            out["async/push_GiB"] = self.push_bytes / self.pushes / GIB
+        if self.lags or self.pushes:
+            out["async/stale_batches_dropped"] = float(self.stale_dropped)
+        if self.lags:
+            out.update({"async/staleness_mean": sum(self.lags) / len(self.lags),
+                        "async/staleness_max": float(max(self.lags)),
+                        "async/generator_version": float(self.generator_version),
+                        "async/trainer_wait(s)": self.waits / len(self.lags),
+                        "async/trainer_wait_share": self.waits / wall if wall > 0 else 0.0,
+                        "async/generator_idle_share": sum(self.idle) / len(self.idle)})
         if not self.batches:  # a replay-only stretch: nothing was sampled
-            return {}
-        out = {
+            self._clear()
+            return out
+        out |= {
             "online/generation_time(s)": self.gen_time / self.batches,
             "online/generation_share": self.gen_time / wall if wall > 0 else 0.0,
             # next to torchtitan's memory/max_active(GiB), the training step's
