@@ -74,8 +74,11 @@ class Generator:
             hello: Hello = pickle.loads(self._wait_key("hello"))
             problem = self._build(hello)
             self.store.set(f"ready/{self.rank}", problem.encode())
-            if problem:
+            if problem:  # kept serving the store until the trainer has read why
                 logger.error(problem)
+                deadline = time.monotonic() + self.timeout
+                while not self.store.check([f"heard/{self.rank}"]) and time.monotonic() < deadline:
+                    time.sleep(POLL_S)
                 return
             self.group = push_group(self.store, 1 + self.rank, 1 + self.world, self.device, self.timeout)
             self._loop(hello)

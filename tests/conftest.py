@@ -63,7 +63,7 @@ def _launches(fn, seen: set) -> bool:
 # The files that take longest (docs/architecture.md's table), in that order: pytest-xdist's 2 workers (pyproject's
 # addopts, `--dist loadfile`) take whole files in collection order, so these start first and the workers end together.
 LONGEST_FIRST = ["test_learning.py", "test_gpu_twin.py", "test_moe.py", "test_sampler.py", "test_e2e.py", "test_smollm2.py",
-                 "test_vllm.py", "test_fused.py", "test_online_e2e.py", "test_step_time.py"]
+                 "test_vllm.py", "test_fused.py", "test_online_e2e.py", "test_async.py", "test_step_time.py"]
 
 
 def pytest_configure(config):

@@ -132,3 +132,19 @@ def tool_like(x: int) -> int:
         x: Any number.
     """
     return x
+
+
+_generator_calls = 0
+
+
+def dies_in_generator(prompts, completions, completion_ids, **columns):
+    """even_ids, but a generator process (its environment names the trainer's pid) kills itself at its second batch:
+    the trainer must stop with an error naming the generators (tests/test_async.py)."""
+    global _generator_calls
+    if os.environ.get("PLUGIN_TRAINER_PID"):
+        _generator_calls += 1
+        if _generator_calls == 2:
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
+    return even_ids(prompts, completions, completion_ids)

@@ -221,6 +221,7 @@ class TrainerLink:
             for r in range(o.generator_tensor_parallel_size):
                 answer = self._wait(f"ready/{r}", "its start-up").decode()
                 if answer:
+                    self.store.set(f"heard/{r}", b"1")  # the generator may go now
                     raise GeneratorError(f"generator rank {r} at {self.address} cannot serve this run: {answer}")
             self.group = push_group(self.store, 0, 1 + o.generator_tensor_parallel_size, self.device,
                                     o.generator_timeout)
