@@ -40,6 +40,7 @@ OWNERS = {
     "reward_model": "train_reward_model", "reward_model_speed": "reward_model_speed", "rm_learning": "trl_parity",
     "tool_learning": "tool_learning", "trl_parity": "trl_parity", "moe": "moe",
     "vllm_learning": "trl_parity", "vllm_rollouts": "vllm_rollouts", "vllm_sync": "vllm_sync",
+    "async_rollouts": "async_rollouts", "async_learning": "trl_parity",
 }
 REFERENCE = REPO / "docs" / "reference.md"
 CONFIG_SOURCE = REPO / "plugin" / "config.py"

@@ -31,7 +31,7 @@ from torchtitan.tools import utils
 from torchtitan.tools.logging import init_logger, logger
 
 from plugin.generation.remote import (EVALUATE, HEARTBEAT_S, POLL_S, STOP, Hello, _Push, bucket_plan,
-                                      config_from_dict, push_group, signature, weight_entries)
+                                      config_from_dict, local_signature, push_group, signature, weight_entries)
 
 
 class _Captured:
@@ -80,7 +80,10 @@ class Generator:
                 while not self.store.check([f"heard/{self.rank}"]) and time.monotonic() < deadline:
                     time.sleep(POLL_S)
                 return
-            self.group = push_group(self.store, 1 + self.rank, 1 + self.world, self.device, self.timeout)
+            if hello.shards:  # trainer TP rank r sends this rank its own shards
+                self.group = push_group(self.store, 1, 2, self.device, self.timeout, pair=self.rank)
+            else:
+                self.group = push_group(self.store, 1 + self.rank, 1 + self.world, self.device, self.timeout)
             self._loop(hello)
         except Exception:
             text = traceback.format_exc()
@@ -136,8 +139,10 @@ class Generator:
                         f"{len(hello.signature)} weights in the trainer, {len(mine)} here")
             return (f"it was built for another model than the trainer's {hello.model}: {diff} (start the generators "
                     "with the trainer's config)")
-        self.buckets = bucket_plan(mine)
-        self.buffers = [torch.empty(sum(math.prod(mine[i][1]) for i in b), dtype=getattr(torch, mine[b[0]][2]),
+        self.shards = hello.shards
+        sent = local_signature(self.entries) if self.shards else mine  # what a push holds: shards, or whole tensors
+        self.buckets = bucket_plan(sent)
+        self.buffers = [torch.empty(sum(math.prod(sent[i][1]) for i in b), dtype=getattr(torch, sent[b[0]][2]),
                                     device=self.device) for b in self.buckets]
         loader = spec.build_dataloader_fn(dp_world_size=hello.dp_world_size, dp_rank=0, tokenizer=tokenizer,
                                           job_config=c)
@@ -242,6 +247,8 @@ class Generator:
             offset = 0
             for i in bucket:
                 t = self.entries[i][1]
+                if self.shards and isinstance(t, DTensor):  # our own shard, as the trainer's TP rank holds it
+                    t = t.to_local()
                 n = t.numel()
                 whole = buf[offset:offset + n].view(t.shape)
                 offset += n

@@ -6,6 +6,7 @@ One 2-rank launch runs every job (tests/run_jobs.py), the 1-rank ones on its ran
   draws, losses and grad norms;
 - max_staleness = 1, straight and resumed from its step-2 checkpoint (which holds a batch drawn in flight);
 - the MoE flavor on FSDP=2 x EP=2 with routing replay (R3) and a moving load-balancing bias;
+- a TP=2 trainer and a generator engine of 2 TP processes, each trainer rank sending its own shards;
 - a generator killed mid-run; two trainers refused by remote generators (another model; already claimed).
 """
 
@@ -66,8 +67,8 @@ def runs(tmp_path_factory, seed_checkpoints, prompts) -> dict[str, Path]:
     import torch.distributed as dist
 
     seed = seed_checkpoints["grpo_llama3"]
-    names = ["colocated", "k0", "k1", "k1_resumed", "fsdp_colocated", "fsdp_k0", "moe_k0", "killed", "other_model",
-             "claimed"]
+    names = ["colocated", "k0", "k1", "k1_resumed", "fsdp_colocated", "fsdp_k0", "moe_k0", "tp_k0", "killed",
+             "other_model", "claimed"]
     dumps = {n: tmp_path_factory.mktemp(n) for n in names}
     # remote generators: one built for another flavor, one already claimed by a trainer (this test, below)
     other_port, claimed_port = _free_port(), _free_port()
@@ -87,7 +88,10 @@ def runs(tmp_path_factory, seed_checkpoints, prompts) -> dict[str, Path]:
                       "--checkpoint.no-initial_load_model_only"))
     two = [job(dumps["fsdp_colocated"], seed, prompts, *FSDP, *EVAL),
            job(dumps["fsdp_k0"], seed, prompts, *FSDP, *EVAL, *LOCAL),
-           job(dumps["moe_k0"], seed_checkpoints["grpo_qwen3_moe"], prompts, *MOE, *LOCAL, steps=2)]
+           job(dumps["moe_k0"], seed_checkpoints["grpo_qwen3_moe"], prompts, *MOE, *LOCAL, steps=2),
+           # TP=2 trainer, a generator of 2 TP processes: each trainer rank sends its own shards
+           job(dumps["tp_k0"], seed, prompts, *LOCAL, "--parallelism.tensor_parallel_degree", "2",
+               "--online.generator_tensor_parallel_size", "2")]
     heldout = tmp_path_factory.mktemp("heldout") / "heldout.jsonl"
     heldout.write_text("".join(prompts.read_text().splitlines(keepends=True)[:5]))
     for j in two[:2]:
@@ -108,8 +112,8 @@ def runs(tmp_path_factory, seed_checkpoints, prompts) -> dict[str, Path]:
         check(proc)
         logs = job_logs(proc)
         assert len(logs) == len(jobs), proc.stdout[-4000:]
-        for name, j, log in zip([n for n in names if n not in ("fsdp_colocated", "fsdp_k0", "moe_k0")] +
-                                ["fsdp_colocated", "fsdp_k0", "moe_k0"], jobs, logs):
+        multi = ["fsdp_colocated", "fsdp_k0", "moe_k0", "tp_k0"]
+        for name, j, log in zip([n for n in names if n not in multi] + multi, jobs, logs):
             (dumps[name] / "job.log").write_text(log)
     finally:
         for g in generators:
@@ -159,6 +163,18 @@ def test_fsdp_with_a_generator_draws_and_evaluates_as_colocated(runs):
     for tag in ("eval/reward_mean", "eval/completion_length_mean", "eval/reward/even_ids_mean"):
         assert sorted(k0[tag]) == [1, 2, 4]
         assert k0[tag] == pytest.approx(colocated[tag], rel=1e-6), tag
+
+
+def test_a_tp_engine_of_two_generator_processes_gets_each_ranks_shards(runs):
+    """TP=2 draws what 1 rank draws (tests/test_online_e2e.py); here the engine is 2 generator processes, loaded
+    shard by shard from the trainer's 2 TP ranks, and its log-probs are the trainer's."""
+    tp, colocated = scalars_by_step(runs["tp_k0"]), scalars_by_step(runs["colocated"])
+    for b in range(STEPS):
+        assert completions(runs["tp_k0"], b) == completions(runs["colocated"], b), b
+    for tag in TAGS[:-1]:
+        assert tp[tag] == pytest.approx(colocated[tag], rel=1e-4, abs=1e-7), tag
+    assert max(tp["online/logprob_mismatch"].values()) < 1e-5
+    assert "weights sent by each TP rank, its own shards" in (runs["tp_k0"] / "job.log").read_text()
 
 
 def test_max_staleness_1_trains_on_batches_one_version_old(runs):

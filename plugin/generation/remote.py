@@ -11,7 +11,8 @@
    made from the store, apart from the training groups. A push is a header [version, flags] and then the weights
    in buckets of at most 256 MiB, each one dtype, in the Hello's order; a DTensor is gathered whole first
    (`full_tensor`, every trainer rank at once, in the main thread, so training and push collectives never
-   interleave). A generator receives into one staging copy on a thread of its own, so a push returns once the
+   interleave). Where the generators' TP layout is the trainer's (TP alone, as many ranks), each trainer rank
+   sends its own shards to its generator rank over a group of the two, with no gather. A generator receives into one staging copy on a thread of its own, so a push returns once the
    bytes are across; it loads the copy between batches, never inside a sequence.
 3. **Batches.** Batch b is drawn with the weights of step max(b * num_iterations - max_staleness, v0), v0 the
    version the trainer started with: a fixed schedule, so draws depend on keys and weights alone, a resumed run
@@ -68,6 +69,7 @@ class Hello:
     total_batches: int  # batches the run trains on: none is drawn past them
     dp_world_size: int  # the trainer's: a batch is as many groups as its plan says
     trainer: str  # host and pid, for the generators' log
+    shards: bool = False  # trainer TP rank i sends its own shards to generator rank i (the same TP layout)
 
 
 def weight_entries(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -88,6 +90,11 @@ def signature(entries) -> list[tuple[str, tuple, str]]:
     return [(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in entries]
 
 
+def local_signature(entries) -> list[tuple[str, tuple, str]]:
+    """The signature of this rank's own part of each entry (a DTensor's local shard)."""
+    return signature([(name, t.to_local() if isinstance(t, DTensor) else t) for name, t in entries])
+
+
 def bucket_plan(sig) -> list[list[int]]:
     """Consecutive entries in buckets of one dtype and at most BUCKET_BYTES (a larger entry alone)."""
     buckets, size = [], 0
@@ -101,9 +108,10 @@ def bucket_plan(sig) -> list[list[int]]:
     return buckets
 
 
-def push_group(store, rank: int, size: int, device: torch.device, timeout: float):
-    """The weights' process group: trainer rank 0 (rank 0 here) and the generator ranks, apart from training's."""
-    store = dist.PrefixStore("push", store)
+def push_group(store, rank: int, size: int, device: torch.device, timeout: float, pair: int | None = None):
+    """The weights' process group, apart from training's: trainer rank 0 (rank 0 here) and the generator ranks; with
+    shards, one group per pair of trainer TP rank `pair` (rank 0) and generator rank `pair` (rank 1)."""
+    store = dist.PrefixStore("push" if pair is None else f"push/{pair}", store)
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timedelta(seconds=timeout)
@@ -210,24 +218,31 @@ class TrainerLink:
         self.start_version, self.total = version, math.ceil(self.job_config.training.steps / mu)
         entries = weight_entries(self.policy)
         self.signature = signature(entries)
+        # the engine's TP layout is the trainer's (TP alone, as many ranks): each rank sends its own shards, no gather
+        self.shards = self.world == o.generator_tensor_parallel_size > 1 and self.world == self.tp_degree()
+        self.buckets = bucket_plan(local_signature(entries) if self.shards else self.signature)
         if self.lead:
             if self._call(lambda: self.store.add("trainers", 1), "claiming them") != 1:
                 raise GeneratorError(f"the generators at {self.address} already serve a trainer: start generators of "
                                      "their own for this run ([online] generator_host / generator_port)")
             model = f"[model] name = {self.job_config.model.name!r}, flavor = {self.job_config.model.flavor!r}"
             hello = Hello(self.signature, model, fetched, stream_pos, version, k, mu, self.total, dp_world_size,
-                          f"{socket.gethostname()}:{os.getpid()}")
+                          f"{socket.gethostname()}:{os.getpid()}", self.shards)
             self.store.set("hello", pickle.dumps(hello))
             for r in range(o.generator_tensor_parallel_size):
                 answer = self._wait(f"ready/{r}", "its start-up").decode()
                 if answer:
                     self.store.set(f"heard/{r}", b"1")  # the generator may go now
                     raise GeneratorError(f"generator rank {r} at {self.address} cannot serve this run: {answer}")
-            self.group = push_group(self.store, 0, 1 + o.generator_tensor_parallel_size, self.device,
-                                    o.generator_timeout)
-            self.buckets = bucket_plan(self.signature)
+            if not self.shards:
+                self.group = push_group(self.store, 0, 1 + o.generator_tensor_parallel_size, self.device,
+                                        o.generator_timeout)
+        if self.shards:
+            dist.barrier()  # the generators said yes to rank 0
+            self.group = push_group(self.store, 0, 2, self.device, o.generator_timeout, pair=self.rank)
         logger.info(f"Generators at {self.address}: draw from batch {fetched} with the weights of step {version} on, "
-                    f"at most {k} version(s) behind")
+                    f"at most {k} version(s) behind; weights sent "
+                    + ("by each TP rank, its own shards" if self.shards else "whole, by rank 0"))
         return fetched, stream_pos
 
     # -- the steps ----------------------------------------------------------------------------------------------
@@ -238,16 +253,19 @@ class TrainerLink:
             return
         start = time.perf_counter()
         entries = weight_entries(self.policy)
-        nbytes = 0
+        nbytes, sends = 0, self.lead or self.shards
         if self.lead:
             self._announce()
+        if sends:
             self._broadcast(torch.tensor([version, EVALUATE if evaluate else 0], dtype=torch.int64), "a push header")
-        for bucket in (self.buckets if self.lead else bucket_plan(self.signature)):
+        for bucket in self.buckets:
             parts = []
             for i in bucket:
                 t = entries[i][1].detach()
-                parts.append((t.full_tensor() if isinstance(t, DTensor) else t).reshape(-1))
-            if self.lead:
+                if isinstance(t, DTensor):  # a shard: this rank's own, or gathered whole (every rank at once)
+                    t = t.to_local() if self.shards else t.full_tensor()
+                parts.append(t.reshape(-1))
+            if sends:
                 flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
                 nbytes += flat.numel() * flat.element_size()
                 self._broadcast(flat, f"the weights of step {version}")
@@ -286,9 +304,10 @@ class TrainerLink:
     def close(self) -> None:
         """Stop the generators (a STOP header), and with local mode wait for their processes."""
         self.alive.set()
-        if self.lead and self.group is not None and sys.exc_info()[1] is None:
+        if (self.lead or self.shards) and self.group is not None and sys.exc_info()[1] is None:
             try:
-                self._announce()
+                if self.lead:
+                    self._announce()
                 self._broadcast(torch.tensor([self.pushed, STOP], dtype=torch.int64), "the stop")
             except GeneratorError as e:
                 logger.warning(f"{e}")
@@ -350,6 +369,11 @@ class TrainerLink:
                 stale.append(r)
         return (f": generator rank(s) {stale} stopped answering" if stale else
                 ": every generator rank is alive, but none finished it (a hung tool call or reward function?)")
+
+    def tp_degree(self) -> int:
+        """The trainer's TP degree (every rank a TP rank when it equals the world: no FSDP, no EP)."""
+        p = self.job_config.parallelism
+        return p.tensor_parallel_degree if p.expert_parallel_degree <= 1 else 0
 
     def _announce(self) -> None:
         """A push is coming: the generators enter its broadcast only now, so none waits in a collective while we
