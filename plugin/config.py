@@ -268,7 +268,7 @@ class Online:
     """Seed each completion's draws from its own key (and each tool round's from its length), as the built-in sampler does: the draws then do not depend on the batch or the layout. On CPU, vLLM then prefills every prompt whole (no chunked prefill). false: each generate call seeded from its requests, the batch's draws one stream (TRL's way: one seed per engine)."""
 
     generator_mode: Literal["colocate", "local", "remote"] = "colocate"
-    """Where batches are sampled: "colocate", in the training ranks between steps; "local", in generator processes that the trainer's rank 0 starts on this machine; "remote", in generator processes started by their own command (`torchrun -m plugin.generator`, docs/async.md) at generator_host:generator_port. A separate generator draws, scores and evaluates while the trainer trains; the trainer pushes its weights after every step."""
+    """Where batches are sampled: "colocate", in the training ranks between steps; "local", in generator processes that the trainer's rank 0 starts on this machine; "remote", in generator processes started by their own command (`torchrun -m plugin.generator`, docs/async.md) at generator_host:generator_port. A separate generator draws, scores and evaluates (with the built-in engine, or vLLM with use_vllm) while the trainer trains; the trainer pushes its weights after every step."""
 
     generator_tensor_parallel_size: int = 1
     """Processes of the separate generator, one engine over them (its tensor-parallel degree; TRL's vllm_tensor_parallel_size)."""
@@ -492,9 +492,6 @@ def check_generator(job_config) -> None:
     key = f'[online] generator_mode = "{o.generator_mode}"'
     if not o.enable:
         raise ValueError(f"{key} samples online batches: set [online] enable = true")
-    if o.use_vllm:
-        raise ValueError(f"{key} with [online] use_vllm = true: the generator processes run the built-in engine; "
-                         "vLLM runs colocated only (docs/async.md)")
     if o.max_staleness and o.behavior_logprobs != "sampler":
         raise ValueError(f"[online] max_staleness = {o.max_staleness} trains on batches drawn by older weights: set "
                          '[online] behavior_logprobs = "sampler" (the ratio to the sampler that drew them, truncated '

@@ -242,7 +242,9 @@ class Generator:
 
     @torch.no_grad()
     def _load(self) -> None:
-        """The staged weights into the engine's model (a TP shard: this rank's part of the whole tensor)."""
+        """The staged weights into the engine's model (a TP shard: this rank's part of the whole tensor); with
+        use_vllm, the engine reloads them from the model before its next generation (its weights_version moved)."""
+        self.model.weights_version = getattr(self.model, "weights_version", 0) + 1
         for bucket, buf in zip(self.buckets, self.buffers):
             offset = 0
             for i in bucket:

