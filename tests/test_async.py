@@ -241,3 +241,62 @@ def test_remote_generators_refuse_another_model_and_a_second_trainer(runs):
     claimed = (runs["claimed"] / "job.log").read_text()
     assert "failed, as it should" in claimed
     assert "already serve a trainer" in claimed
+
+
+def _link(store, timeout: float, ranks: int = 1):
+    """A trainer's link over `store` without a trainer: only what its waits read."""
+    from types import SimpleNamespace
+
+    from plugin.generation.remote import TrainerLink
+
+    link = TrainerLink.__new__(TrainerLink)
+    link.store, link.proc, link.address = store, None, "127.0.0.1:1234"
+    link.cfg = SimpleNamespace(generator_timeout=timeout, generator_tensor_parallel_size=ranks)
+    return link
+
+
+@pytest.fixture
+def store():
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+
+
+def test_a_silent_generator_is_named_after_the_timeout(store):
+    from plugin.generation.remote import GeneratorError
+
+    link = _link(store, 0.3, ranks=2)
+    store.set("heartbeat/0", str(time.time() + 60).encode())  # rank 0 beats, rank 1 never did
+    with pytest.raises(GeneratorError, match=r"no batch 3 from the generators at 127.0.0.1:1234 within \[online\] "
+                                             r"generator_timeout = 0.3 s: generator rank\(s\) \[1\] stopped answering"):
+        link._wait("batch/3", "batch 3")
+    store.set("heartbeat/1", str(time.time() + 60).encode())
+    with pytest.raises(GeneratorError, match="every generator rank is alive, but none finished it"):
+        link._wait("batch/3", "batch 3")
+
+
+def test_a_generators_error_reaches_the_trainer(store):
+    from plugin.generation.remote import GeneratorError
+
+    store.set("error", b"generator rank 0: ValueError: the reward function raised")
+    with pytest.raises(GeneratorError, match="the generators at 127.0.0.1:1234 failed: generator rank 0: ValueError"):
+        _link(store, 30)._wait("batch/0", "batch 0")
+
+
+def test_a_port_nobody_listens_on_names_the_keys():
+    from plugin.generation.remote import GeneratorError
+
+    port = _free_port()
+    with pytest.raises(GeneratorError, match=rf"no generator answered at 127.0.0.1:{port} within \[online\] "
+                                             r"generator_timeout = 1 s \(\[online\] generator_host / generator_port\)"):
+        _link(None, 1)._connect("127.0.0.1", port)
+
+
+def test_the_push_buckets_hold_one_dtype_and_at_most_the_limit(monkeypatch):
+    from plugin.generation import remote
+
+    monkeypatch.setattr(remote, "BUCKET_BYTES", 1000)
+    sig = [("a", (100,), "float32"), ("b", (100,), "float32"), ("c", (10,), "int64"), ("d", (600,), "float32"),
+           ("e", (5,), "float32")]
+    # 400 + 400 bytes fit; c is another dtype; d (2400 bytes) alone; e after it
+    assert remote.bucket_plan(sig) == [[0, 1], [2], [3], [4]]

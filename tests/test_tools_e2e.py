@@ -1,4 +1,5 @@
-"""Multi-turn online GRPO with tools under torchrun: layouts draw the same trajectories, tools run once per call.
+"""Multi-turn online GRPO with tools under torchrun: layouts draw the same trajectories, tools run once per call,
+in the training ranks or in a separate generator process.
 
 The debug model is random, so it writes no hermes calls; tests/toy_tools.py adds a "toy" format that about
 half its turns call `echo` in, through the job's own custom_import (how a user adds a format). The chat
@@ -39,6 +40,8 @@ LAYOUTS = {
     "TP=2": (2, "--parallelism.tensor_parallel_degree", "2"),
     "FSDP=2": (2, "--parallelism.tensor_parallel_degree", "1", "--training.local_batch_size", "8",
                "--training.global_batch_size", "16"),
+    # a separate generator process draws, runs the tools, rewards and evaluates (docs/async.md)
+    "generator": (1, "--parallelism.tensor_parallel_degree", "1", "--online.generator_mode", "local"),
 }
 
 
