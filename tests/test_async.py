@@ -71,14 +71,16 @@ def runs(tmp_path_factory, seed_checkpoints, prompts) -> dict[str, Path]:
     import torch.distributed as dist
 
     seed = seed_checkpoints["grpo_llama3"]
-    names = ["colocated", "k0", "k1", "k1_resumed", "vllm_k0", "fsdp_colocated", "fsdp_k0", "moe_k0", "tp_k0",
-             "killed", "other_model", "claimed"]
+    names = ["colocated", "k0", "k1", "k1_resumed", "vllm_k0", "remote_k0", "fsdp_colocated", "fsdp_k0", "moe_k0",
+             "tp_k0", "killed", "other_model", "claimed"]
     dumps = {n: tmp_path_factory.mktemp(n) for n in names}
     # remote generators: one built for another flavor, one already claimed by a trainer (this test, below)
-    other_port, claimed_port = _free_port(), _free_port()
+    other_port, claimed_port, remote_port = _free_port(), _free_port(), _free_port()
     generators = [remote_generator(dumps["other_model"] / "gen", other_port, "--model.name", "grpo_qwen3",
                                     "--model.flavor", "debugmodel_small"),
-                  remote_generator(dumps["claimed"] / "gen", claimed_port)]
+                  remote_generator(dumps["claimed"] / "gen", claimed_port),
+                  # started by its own command, as on a cluster: it serves the remote_k0 run
+                  remote_generator(dumps["remote_k0"] / "gen", remote_port, "--training.dataset_path", str(prompts))]
     remote = ("--online.generator_mode", "remote", "--online.generator_timeout", "60")
     heldout = tmp_path_factory.mktemp("heldout") / "heldout.jsonl"
     heldout.write_text("".join(prompts.read_text().splitlines(keepends=True)[:5]))
@@ -93,6 +95,8 @@ def runs(tmp_path_factory, seed_checkpoints, prompts) -> dict[str, Path]:
                               "--checkpoint.no-initial_load_model_only")),
         # vLLM as the generator's engine (qwen3's debugmodel_small: CPU vLLM has no kernel for llama3's 16-wide heads)
         "vllm_k0": (1, job(dumps["vllm_k0"], seed_checkpoints["grpo_qwen3"], prompts, *LOCAL, *VLLM, steps=3)),
+        "remote_k0": (1, job(dumps["remote_k0"], seed, prompts, *remote, "--online.generator_port", str(remote_port),
+                             steps=2)),
         "killed": (1, job(dumps["killed"], seed, prompts, *LOCAL, "--online.reward_funcs",
                           "reward_fns:dies_in_generator", "--online.generator_timeout", "60") | {"fails": True}),
         "other_model": (1, job(dumps["other_model"], seed, prompts, *remote, "--online.generator_port",
@@ -160,6 +164,15 @@ def test_max_staleness_0_trains_exactly_as_colocated(runs):
     for tag in ("async/push_time(s)", "async/trainer_wait(s)", "async/generator_idle_share",
                 "async/stale_batches_dropped", "online/generation_time(s)", "online/reward/even_ids_mean"):
         assert len(k0[tag]) == STEPS, tag
+
+
+def test_generators_started_by_their_own_command_serve_a_trainer(runs):
+    """generator_mode = "remote": `python -m plugin.generator --job.config_file ...` first, then the trainer."""
+    remote, colocated = scalars_by_step(runs["remote_k0"]), scalars_by_step(runs["colocated"])
+    for b in range(2):
+        assert completions(runs["remote_k0"], b) == completions(runs["colocated"], b), b
+    assert remote["grad_norm"] == {s: colocated["grad_norm"][s] for s in (1, 2)}
+    assert "the trainer stopped; 2 batches drawn" in (runs["remote_k0"] / "gen" / "generator.log").read_text()
 
 
 def test_fsdp_with_a_generator_draws_and_evaluates_as_colocated(runs):

@@ -207,12 +207,14 @@ class OnlineDataset(IterableDataset, Stateful):
         rank's microbatches."""
         if self.sampler is None and self.remote is None:
             self._start()
-        if self.remote is not None:
-            drawn = self.held.pop(index, None) or self.remote.batch(index, self.cfg.num_iterations)
-            self.fetched = max(self.fetched, index + 1)
-            self.stream_pos = max(self.stream_pos, drawn.stream_end)
+        if index in self.held:  # drawn before a checkpoint by a separate generator: trained on in either mode
+            drawn = self.held.pop(index)
+        elif self.remote is not None:
+            drawn = self.remote.batch(index, self.cfg.num_iterations)
         else:
             drawn = self.draw(index)
+        self.fetched = max(self.fetched, index + 1)
+        self.stream_pos = max(self.stream_pos, drawn.stream_end)
         return self.cut(index, drawn)
 
     def draw(self, index: int, positions: list[int] | None = None) -> "Drawn":
