@@ -34,6 +34,8 @@ Usage:
     python benchmarks/trl_parity.py --only ours_vllm --name vllm_learning   # ours, vLLM sampling (docs/vllm.md)
     python benchmarks/trl_parity.py --only ours --config train_configs/smollm2_rm_cpu.toml --seeds 0 \
         --name rm_learning --work outputs/rm_learning   # ours, a learned reward model (docs/reward_models.md)
+    python benchmarks/trl_parity.py --only ours --config train_configs/smollm2_async_cpu.toml \
+        --name async_learning --work outputs/async_learning   # ours, a separate generator at k = 1 (docs/async.md)
 Writes benchmarks/results/trl_parity.csv, .png and .md, trl_parity_train.csv (training rewards per step) and
 trl_parity_replies.csv (a few replies of each run's last model to the harder sums), and prints the table.
 """
@@ -353,6 +355,8 @@ TABLES = {
     # the same without the KL term, its reward model trained on the sampled replies alone
     # (train_reward_model.py --no-hard-negatives --contrast 0)
     **run_tables("rm_learning_v1"),
+    # --only ours --config train_configs/smollm2_async_cpu.toml --name async_learning: a separate generator, k = 1
+    **run_tables("async_learning"),
 }
 
 
