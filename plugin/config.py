@@ -280,7 +280,7 @@ class Online:
     """The generators' rendezvous port (TRL's vllm_server_port); 0 with generator_mode = "local": a free one."""
 
     generator_devices: list[int] = field(default_factory=list)
-    """generator_mode = "local": the generator processes' devices. On a GPU machine CUDA device indices, one per process (the trainer ranks keep theirs); on CPU the cores they run on, shared out among them, and the trainer ranks take the other cores. [] = no placement (CPU: the processes share every core)."""
+    """generator_mode = "local": the generator processes' devices. On a GPU machine CUDA device indices, one per process (the trainer ranks keep theirs); on CPU the cores they run on, shared out among them, and the trainer ranks take the other cores. [] = no placement (CPU: the processes share every core, and with max_staleness >= 1 compute at once: 3x slower on 2 cores, docs/async.md)."""
 
     generator_timeout: float = 240.0
     """Seconds the trainer waits for the generators (a batch, an evaluation, a weight push) before it stops with an error naming them (TRL's vllm_server_timeout)."""

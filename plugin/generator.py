@@ -262,7 +262,13 @@ class Generator:
     # -- helpers ------------------------------------------------------------------------------------------------
 
     def _wait_key(self, key: str) -> bytes:
+        """A key the trainer writes; local mode: while the trainer lives (remote generators wait for one)."""
         while not self.store.check([key]):
+            if self.trainer_pid:
+                try:
+                    os.kill(self.trainer_pid, 0)
+                except ProcessLookupError:
+                    raise RuntimeError(f"the trainer (process {self.trainer_pid}) is gone") from None
             time.sleep(0.05)
         return self.store.get(key)
 

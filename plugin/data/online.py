@@ -146,6 +146,7 @@ class OnlineDataset(IterableDataset, Stateful):
         # a separate generator ([online] generator_mode): the link to it, the batches received (in order), and
         # those a checkpoint holds that were drawn but not yet trained on
         self.remote, self.fetched, self.held = None, 0, {}
+        self.generators = None  # generator_mode = "local": the processes started with the dataset (LocalGenerators)
 
     def _start(self) -> None:
         """The parallelized policy (built after this dataset) to sample from, its sampler and the DP group."""
@@ -162,7 +163,7 @@ class OnlineDataset(IterableDataset, Stateful):
         if self.cfg.generator_mode != "colocate":  # the generator processes sample: this rank never does
             from plugin.generation.remote import TrainerLink
 
-            self.remote = self.job.remote = TrainerLink(self.job_config, self.policy, self.stats)
+            self.remote = self.job.remote = TrainerLink(self.job_config, self.policy, self.stats, self.generators)
             self.fetched, self.stream_pos = self.remote.start(self.fetched, self.stream_pos, self.held,
                                                               self.steps_done(), self.plan.dp_world_size)
             return
@@ -452,6 +453,11 @@ def build_online_dataset(job_config, job: GRPOJob, tokenizer, encoder, batching)
            if online.filter_groups else "") + ", rewards: "
         + ", ".join(f"{f.weight:g} * {f.key.split('= ', 1)[1]}" for f in reward_fns)
     )
-    return OnlineDataset(prompts, plan, collate, job_config.debug.seed or 0, online, reward_fns, tokenizer,
-                         collate.pad_id, stop_ids, grpo.temperature, job_config.job.dump_folder, job, job.online_stats,
-                         job_config, tools)
+    dataset = OnlineDataset(prompts, plan, collate, job_config.debug.seed or 0, online, reward_fns, tokenizer,
+                            collate.pad_id, stop_ids, grpo.temperature, job_config.job.dump_folder, job,
+                            job.online_stats, job_config, tools)
+    if online.generator_mode == "local":  # started now: they start up while the trainer builds its model
+        from plugin.generation.remote import LocalGenerators
+
+        dataset.generators = LocalGenerators(job_config)
+    return dataset

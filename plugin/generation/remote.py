@@ -36,6 +36,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 
@@ -141,10 +142,54 @@ def _child_env(job_config, port: int, trainer_pid: int) -> dict:
     return env
 
 
+class LocalGenerators:
+    """generator_mode = "local": the generator processes rank 0 starts on this machine, as the dataset is built, so
+    they start up while the trainer builds its model and loads its checkpoint. Every trainer rank holds one (the
+    port); rank 0 holds the process."""
+
+    def __init__(self, job_config):
+        o = job_config.online
+        self.proc, port = None, o.generator_port
+        if dist.get_rank() == 0:
+            port = port or _free_port()
+            self.proc = _spawn(job_config, port)
+            # a trainer that fails before it connects (its model, its checkpoint) leaves no generator behind
+            weakref.finalize(self, _kill, self.proc)
+        box = [port]
+        dist.broadcast_object_list(box, src=0)  # the port rank 0 chose
+        self.port = box[0]
+        if cpu.is_active() and o.generator_devices:  # the trainer ranks on the cores the generators leave
+            _pin_trainer(o.generator_devices)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def _spawn(job_config, port: int) -> subprocess.Popen:
+    """Start the generator processes on this machine, given this job's whole config (a JSON file in the dump
+    folder): one process, or a torchrun of generator_tensor_parallel_size (vLLM's launcher reads torchrun's
+    variables, so with use_vllm always the latter)."""
+    o = job_config.online
+    folder = os.path.join(job_config.job.dump_folder, "generator")
+    os.makedirs(folder, exist_ok=True)
+    config = os.path.join(folder, "job_config.json")
+    with open(config, "w") as f:
+        json.dump(asdict(job_config), f)
+    launcher = ([] if o.generator_tensor_parallel_size == 1 and not o.use_vllm else
+                ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={o.generator_tensor_parallel_size}"])
+    command = [sys.executable, *launcher, "-m", "plugin.generator", "--from-json", config, "--port", str(port)]
+    logger.info(f"Starting {o.generator_tensor_parallel_size} generator process(es) at 127.0.0.1:{port}"
+                + (f" on {'cores' if cpu.is_active() else 'GPUs'} {o.generator_devices}" if o.generator_devices else ""))
+    return subprocess.Popen(command, env=_child_env(job_config, port, os.getpid()))
+
+
 class TrainerLink:
     """The trainer's side: every trainer rank holds one (they all read the batches and gather the weights)."""
 
-    def __init__(self, job_config, policy, stats):
+    def __init__(self, job_config, policy, stats, local: LocalGenerators | None = None):
         o = job_config.online
         self.job_config, self.cfg, self.policy, self.stats = job_config, o, policy, stats
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -153,14 +198,8 @@ class TrainerLink:
         self.proc, self.group, self.pushed, self.start_version, self.total = None, None, -1, 0, 0
         port = o.generator_port
         if o.generator_mode == "local":
-            if self.lead:
-                port = port or _free_port()
-                self.proc = self._spawn(port)
-            box = [port]
-            dist.broadcast_object_list(box, src=0)  # the port rank 0 chose
-            port = box[0]
-            if cpu.is_active() and o.generator_devices:  # the trainer ranks on the cores the generators leave
-                _pin_trainer(o.generator_devices)
+            local = local or LocalGenerators(job_config)
+            self.proc, port = local.proc, local.port
         host = "127.0.0.1" if o.generator_mode == "local" else o.generator_host
         self.address = f"{host}:{port}"
         self.store = self._connect(host, port)
@@ -169,23 +208,6 @@ class TrainerLink:
             threading.Thread(target=self._beat, args=(host, port), daemon=True, name="trainer-heartbeat").start()
 
     # -- set-up -------------------------------------------------------------------------------------------------
-
-    def _spawn(self, port: int) -> subprocess.Popen:
-        """Start the generator processes on this machine: one torchrun of generator_tensor_parallel_size ranks, given
-        this job's whole config (a JSON file in the dump folder)."""
-        o = self.job_config.online
-        folder = os.path.join(self.job_config.job.dump_folder, "generator")
-        os.makedirs(folder, exist_ok=True)
-        config = os.path.join(folder, "job_config.json")
-        with open(config, "w") as f:
-            json.dump(asdict(self.job_config), f)
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc_per_node={o.generator_tensor_parallel_size}", "-m", "plugin.generator",
-                   "--from-json", config, "--port", str(port)]
-        logger.info(f"Starting {o.generator_tensor_parallel_size} generator process(es) at 127.0.0.1:{port}"
-                    + (f" on {'cores' if cpu.is_active() else 'GPUs'} {o.generator_devices}"
-                       if o.generator_devices else ""))
-        return subprocess.Popen(command, env=_child_env(self.job_config, port, os.getpid()))
 
     def _connect(self, host: str, port: int):
         deadline = time.monotonic() + self.cfg.generator_timeout
@@ -336,8 +358,9 @@ class TrainerLink:
 
     def _check_process(self) -> None:
         if self.proc is not None and (code := self.proc.poll()) is not None:
-            raise GeneratorError(f"the generator processes at {self.address} exited with code {code} (their log is "
-                                 "above)")
+            who = ("processes (their torchrun)" if self.cfg.generator_tensor_parallel_size > 1 or self.cfg.use_vllm
+                   else "process (rank 0)")
+            raise GeneratorError(f"the generator {who} at {self.address} exited with code {code} (their log is above)")
 
     def _call(self, fn, what: str):
         try:
