@@ -366,8 +366,14 @@ class TrainerLink:
         try:
             return fn()
         except (RuntimeError, OSError) as e:
+            if self.proc is not None:  # a lost store is most often a generator that died: its exit code says how
+                try:
+                    self.proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    pass
             self._check_process()
-            raise GeneratorError(f"lost the generators at {self.address} while waiting for {what}: {e}") from None
+            raise GeneratorError(f"lost the generators at {self.address} (their rank 0 serves the store) while waiting "
+                                 f"for {what}: {e}") from None
 
     def _wait(self, key: str, what: str) -> bytes:
         start = time.monotonic()
