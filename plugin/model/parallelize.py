@@ -86,6 +86,12 @@ def build_grpo_parallelize_fn(base_parallelize: Callable) -> Callable:
     return parallelize_grpo
 
 
+def unwrapped_name(name: str) -> str:
+    """A parameter's name without the module wrappers parallelize adds (compile's, activation checkpointing's):
+    the model's own, on any layout."""
+    return name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
+
+
 class _WithoutDataParallel:
     """`parallel_dims` as torchtitan's parallelize function sees it when FSDP is applied by `fully_shard_tied`."""
 
