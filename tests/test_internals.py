@@ -221,3 +221,11 @@ def test_entry_11_onednn_packed_linear(dtype):
             tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
             torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, b), **tol,
                                        msg=lambda m: f"entry 11: mkldnn._linear_pointwise differs from F.linear: {m}")
+
+
+@pytest.mark.skipif(not hasattr(torch.distributed, "ProcessGroupNCCL"), reason="needs a CUDA build of torch (NCCL)")
+def test_entry_12_nccl_options_timeout():
+    from datetime import timedelta
+
+    options = internals.nccl_options(timedelta(seconds=7))
+    assert options._timeout == timedelta(seconds=7), "entry 12: ProcessGroupNCCL.Options._timeout"

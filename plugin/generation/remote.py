@@ -47,6 +47,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.tools.logging import logger
 
 from plugin import cpu
+from plugin.runtime import internals
 from plugin.model.parallelize import unwrapped_name
 
 STOP, EVALUATE = 1, 2  # push header flags
@@ -112,9 +113,7 @@ def push_group(store, rank: int, size: int, device: torch.device, timeout: float
     shards, one group per pair of trainer TP rank `pair` (rank 0) and generator rank `pair` (rank 1)."""
     store = dist.PrefixStore("push" if pair is None else f"push/{pair}", store)
     if device.type == "cuda":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timedelta(seconds=timeout)
-        return dist.ProcessGroupNCCL(store, rank, size, options)
+        return dist.ProcessGroupNCCL(store, rank, size, internals.nccl_options(timedelta(seconds=timeout)))
     return dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout))
 
 

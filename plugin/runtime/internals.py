@@ -62,6 +62,11 @@ test per entry that fails naming the entry when torch changes it.
    packs an fp32 weight too, but converts every input to an mkldnn tensor and back (1.5x the time of these at a
    [128 x 576] x [576 x 1536] product here) and freezing itself would bake one optimizer step's weights into a
    compiled graph. Checked on torch 2.13.0.
+12. `ProcessGroupNCCL.Options._timeout` (`nccl_options`, GPU only): asynchronous rollouts push weights over a
+   process group of the trainer's rank 0 and the generator processes, which are in no common default group, so it
+   is built by the group's constructor from a store (plugin.generation.remote.push_group); the constructor takes
+   its timeout only in its options, as this attribute. The public `new_group(timeout=...)` needs a default group
+   holding every member. (gloo's constructor takes the timeout as an argument.) Checked on torch 2.11.
 """
 
 from contextlib import contextmanager
@@ -198,3 +203,12 @@ def onednn_pack_linear(weight: torch.Tensor, rows_hint: int) -> torch.Tensor:
 def onednn_linear(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """[N, in] rows times a weight packed by `onednn_pack_linear` (plus `bias`): [N, out] (entry 11)."""
     return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+
+
+def nccl_options(timeout):
+    """Options of an NCCL process group built by its constructor, with `timeout` (a timedelta) (entry 12)."""
+    from torch.distributed import ProcessGroupNCCL
+
+    options = ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return options
