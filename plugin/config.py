@@ -277,7 +277,7 @@ class Online:
     """The generators' address (TRL's vllm_server_host): their rank 0 serves the rendezvous there. Keep it on the cluster's private network: torch.distributed has no authentication."""
 
     generator_port: int = 0
-    """The generators' rendezvous port (TRL's vllm_server_port); 0 with generator_mode = "local": a free one."""
+    """The generators' rendezvous port (TRL's vllm_server_port); 0 with generator_mode = "local": one the generators' store binds itself (the system's choice, written to the dump folder's generator/port)."""
 
     generator_devices: list[int] = field(default_factory=list)
     """generator_mode = "local": the generator processes' devices. On a GPU machine CUDA device indices, one per process (the trainer ranks keep theirs); on CPU the cores they run on, shared out among them, and the trainer ranks take the other cores. [] = no placement (CPU: the processes share every core, and with max_staleness >= 1 compute at once: 3x slower on 2 cores, docs/async.md)."""

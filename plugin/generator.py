@@ -30,9 +30,9 @@ from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools import utils
 from torchtitan.tools.logging import init_logger, logger
 
-from plugin.generation.remote import (EVALUATE, HEARTBEAT_S, POLL_S, STOP, Hello, _Push, bucket_plan,
-                                      config_from_dict, heartbeat, local_signature, push_group, signature,
-                                      weight_entries)
+from plugin.generation.remote import (EVALUATE, HEARTBEAT_S, POLL_S, STOP, Hello, _Push, bucket_plan, connect,
+                                      config_from_dict, heartbeat, local_signature, push_group, read_port,
+                                      signature, weight_entries, write_port)
 
 
 class _Captured:
@@ -46,7 +46,7 @@ class _Captured:
 
 
 class Generator:
-    def __init__(self, job_config, port: int):
+    def __init__(self, job_config, port: int, port_file: str | None = None):
         self.job_config, o = job_config, job_config.online
         self.rank, self.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         local = int(os.environ.get("LOCAL_RANK", 0))
@@ -59,8 +59,16 @@ class Generator:
             torch.cuda.set_device(self.device)
         self.timeout = o.generator_timeout
         host = os.environ.get("MASTER_ADDR", "127.0.0.1") if self.rank else "127.0.0.1"
-        self.store = dist.TCPStore(host, port, is_master=self.rank == 0, wait_for_workers=False,
-                                   timeout=timedelta(seconds=max(self.timeout, 60)))
+        timeout = max(self.timeout, 60)
+        if self.rank == 0:  # port 0 (local mode): a port of the system's choosing, told through port_file
+            self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                       timeout=timedelta(seconds=timeout))
+            port = self.store.port
+            if port_file:
+                write_port(port_file, port)
+        else:
+            port = port or read_port(port_file, timeout)
+            self.store = connect(host, port, timeout, what="the generators' rank 0")
         self.address = f"{o.generator_host}:{port}"
         self.trainer_pid = int(os.environ.get("PLUGIN_TRAINER_PID", 0))  # local mode: the trainer's rank 0
         self.failed: BaseException | None = None  # the receiving thread's error
@@ -278,15 +286,16 @@ def main(argv: list[str] | None = None) -> None:
         with open(argv[1]) as f:
             job_config = config_from_dict(json.load(f))
         port = int(argv[argv.index("--port") + 1])
+        port_file = argv[argv.index("--port-file") + 1] if "--port-file" in argv else None
     else:
         job_config = ConfigManager().parse_args(argv)
-        port = job_config.online.generator_port
+        port, port_file = job_config.online.generator_port, None
         if not port:
             raise ValueError("[online] generator_port = 0: give the generators a port (--online.generator_port)")
     importlib.import_module(job_config.experimental.custom_import or "plugin")
     code = 0
     try:
-        Generator(job_config, port).run()
+        Generator(job_config, port, port_file).run()
     except SystemExit:
         pass
     except Exception:  # logged and left for the trainer by run()

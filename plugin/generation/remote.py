@@ -2,8 +2,8 @@
 
 [online] generator_mode = "local" or "remote" (docs/async.md). Two sides, one protocol:
 
-1. **Rendezvous.** The generators' rank 0 serves a TCPStore at generator_host:generator_port; every trainer rank
-   connects to it. The trainer's rank 0 claims the generators (`trainers`, a counter: a second trainer is refused
+1. **Rendezvous.** The generators' rank 0 serves a TCPStore at generator_host:generator_port (local mode without a
+   port: one it binds itself and writes to the dump folder's generator/port); every trainer rank connects to it. The trainer's rank 0 claims the generators (`trainers`, a counter: a second trainer is refused
    rather than mixing its weights in) and writes a `Hello`: the policy's parameter names, shapes and dtypes, the
    data position to draw from, the weights' version, max_staleness. Each generator rank answers `ready/<rank>`
    with "" or the reason it cannot serve this trainer (another model: the first differing parameter).
@@ -128,10 +128,51 @@ def heartbeat(host: str, port: int, key: str, stop: threading.Event) -> None:
         return
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+def connect(host: str, port: int, timeout: float, check=lambda: None, what: str = "") -> dist.TCPStore:
+    """A client of the generators' store at host:port, once it listens, within `timeout` seconds (`check` runs between
+    tries: a dead local generator raises there).
+
+    A plain socket probes first: a connect to a local port nobody listens on yet can connect to itself (TCP's
+    simultaneous open: the kernel may pick that very port as the source), and a TCPStore client then waits on its
+    own echo for its whole timeout, as a trainer rank did in CI. A probe that finds itself is closed and retried
+    (SO_REUSEADDR, so it never keeps the port from the store that is about to bind it)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.settimeout(max(1.0, min(10.0, deadline - time.monotonic())))
+                probe.connect((socket.gethostbyname(host), port))
+                if probe.getsockname() == probe.getpeername():
+                    raise ConnectionRefusedError(f"the connection to {host}:{port} reached itself, nobody listens yet")
+            store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                  timeout=timedelta(seconds=max(1.0, min(30.0, deadline - time.monotonic()))))
+            store.set_timeout(timedelta(seconds=timeout))
+            return store
+        except (RuntimeError, OSError) as e:  # not listening yet: the generators are still starting
+            check()
+            if time.monotonic() > deadline:
+                raise GeneratorError(f"no generator answered at {host}:{port} within {what}: {e}") from None
+            time.sleep(0.2)
+
+
+def read_port(path: str, timeout: float, check=lambda: None) -> int:
+    """The port a local generator's store bound (it writes `path` once it listens), within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        check()
+        if time.monotonic() > deadline:
+            raise GeneratorError(f"the local generator did not start its store within [online] generator_timeout = "
+                                 f"{timeout:g} s (it writes its port to {path})")
+        time.sleep(0.1)
+    with open(path) as f:
+        return int(f.read())
+
+
+def write_port(path: str, port: int) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(str(port))
+    os.replace(path + ".tmp", path)  # whole or absent: a reader never sees half a number
 
 
 def _child_env(job_config, port: int, trainer_pid: int) -> dict:
@@ -152,20 +193,19 @@ def _child_env(job_config, port: int, trainer_pid: int) -> dict:
 
 class LocalGenerators:
     """generator_mode = "local": the generator processes rank 0 starts on this machine, as the dataset is built, so
-    they start up while the trainer builds its model and loads its checkpoint. Every trainer rank holds one (the
-    port); rank 0 holds the process."""
+    they start up while the trainer builds its model and loads its checkpoint. Rank 0 holds the process; every rank
+    learns the port when it connects (`TrainerLink`). Without generator_port the generators' store binds a port of
+    the system's choosing and writes it to `port_file`: a port picked here and handed over would be free for a
+    moment, for any other socket on the machine to take."""
 
     def __init__(self, job_config):
         o = job_config.online
-        self.proc, port = None, o.generator_port
+        self.proc, self.port = None, o.generator_port
+        self.port_file = os.path.join(job_config.job.dump_folder, "generator", "port")
         if dist.get_rank() == 0:
-            port = port or _free_port()
-            self.proc = _spawn(job_config, port)
+            self.proc = _spawn(job_config, self.port, self.port_file)
             # a trainer that fails before it connects (its model, its checkpoint) leaves no generator behind
             weakref.finalize(self, _kill, self.proc)
-        box = [port]
-        dist.broadcast_object_list(box, src=0)  # the port rank 0 chose
-        self.port = box[0]
         if cpu.is_active() and o.generator_devices:  # the trainer ranks on the cores the generators leave
             _pin_trainer(o.generator_devices)
 
@@ -176,7 +216,7 @@ def _kill(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def _spawn(job_config, port: int) -> subprocess.Popen:
+def _spawn(job_config, port: int, port_file: str) -> subprocess.Popen:
     """Start the generator processes on this machine, given this job's whole config (a JSON file in the dump
     folder): one process, or a torchrun of generator_tensor_parallel_size (vLLM's launcher reads torchrun's
     variables, so with use_vllm always the latter)."""
@@ -184,12 +224,15 @@ def _spawn(job_config, port: int) -> subprocess.Popen:
     folder = os.path.join(job_config.job.dump_folder, "generator")
     os.makedirs(folder, exist_ok=True)
     config = os.path.join(folder, "job_config.json")
+    if os.path.exists(port_file):  # an earlier run's
+        os.remove(port_file)
     with open(config, "w") as f:
         json.dump(asdict(job_config), f)
     launcher = ([] if o.generator_tensor_parallel_size == 1 and not o.use_vllm else
                 ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={o.generator_tensor_parallel_size}"])
-    command = [sys.executable, *launcher, "-m", "plugin.generator", "--from-json", config, "--port", str(port)]
-    logger.info(f"Starting {o.generator_tensor_parallel_size} generator process(es) at 127.0.0.1:{port}"
+    command = [sys.executable, *launcher, "-m", "plugin.generator", "--from-json", config, "--port", str(port),
+               "--port-file", port_file]
+    logger.info(f"Starting {o.generator_tensor_parallel_size} generator process(es) at 127.0.0.1:{port or '(their choice)'}"
                 + (f" on {'cores' if cpu.is_active() else 'GPUs'} {o.generator_devices}" if o.generator_devices else ""))
     return subprocess.Popen(command, env=_child_env(job_config, port, os.getpid()))
 
@@ -207,6 +250,10 @@ class TrainerLink:
         port = o.generator_port
         if o.generator_mode == "local":
             self.proc, port = local.proc, local.port
+            if not port:  # the generators chose it: rank 0 waits for it, then tells the others
+                box = [read_port(local.port_file, o.generator_timeout, self._check_process) if self.lead else 0]
+                dist.broadcast_object_list(box, src=0)
+                port = box[0]
         # the engine's TP layout is the trainer's (TP alone over every rank, no EP): each rank sends its own shards
         self.shards = (self.world == o.generator_tensor_parallel_size > 1 and parallel_dims.tp == self.world
                        and not parallel_dims.ep_enabled)
@@ -221,18 +268,9 @@ class TrainerLink:
     # -- set-up -------------------------------------------------------------------------------------------------
 
     def _connect(self, host: str, port: int):
-        deadline = time.monotonic() + self.cfg.generator_timeout
-        while True:
-            try:
-                return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=self.cfg.generator_timeout),
-                                     wait_for_workers=False)
-            except (RuntimeError, OSError) as e:  # not listening yet: the generators are still starting
-                self._check_process()
-                if time.monotonic() > deadline:
-                    raise GeneratorError(
-                        f"no generator answered at {host}:{port} within [online] generator_timeout = "
-                        f"{self.cfg.generator_timeout:g} s ([online] generator_host / generator_port): {e}") from None
-                time.sleep(0.2)
+        return connect(host, port, self.cfg.generator_timeout, self._check_process,
+                       f"[online] generator_timeout = {self.cfg.generator_timeout:g} s ([online] generator_host / "
+                       f"generator_port)")
 
     def start(self, fetched: int, stream_pos: int, held: dict, version: int, dp_world_size: int) -> tuple[int, int]:
         """Claim the generators and tell them where to draw from; batches a checkpoint `held` that are now too stale
