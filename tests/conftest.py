@@ -8,6 +8,7 @@ import glob
 import inspect
 import json
 import os
+import random
 import re
 import shutil
 import socket
@@ -199,6 +200,22 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def _free_port() -> int:
+    """A port free now, for a process that binds it later: below the system's ephemeral range, where no outgoing
+    connection or bind-to-0 listener (gloo's, torchrun's, another test's) can take it in between, nor a client
+    waiting for it connect to itself (CI saw a trainer rank wait 240 s on such a port)."""
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(100):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
