@@ -139,6 +139,23 @@ def test_slots_take_queued_rows_as_others_finish(llama):
     assert len(rows) < consecutive, (len(rows), consecutive)
 
 
+def test_a_cpu_that_cannot_pack_bf16_generates_with_its_linears_unpacked(llama, monkeypatch):
+    """oneDNN's bf16 reorder needs avx512bw/vl/dq or avx_ne_convert (an AVX2-only host raised at the first bf16
+    call): there the bf16 layers stay F.linear's and the fp32 ones are packed still."""
+    from plugin.generation.onednn import packed_linears
+    from plugin.runtime import internals
+
+    model, stops, base = llama
+    monkeypatch.setattr(internals, "onednn_packs", lambda dtype: dtype == torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16), packed_linears(model) as packed:
+        assert packed == 0
+    with packed_linears(model) as packed:
+        assert packed > 0
+    bf16 = _sampler(model, stops, autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    got = bf16.generate(prompts(), KEYS)
+    assert len(got.completions) == len(KEYS) and all(len(c) >= 1 for c in got.completions)
+
+
 def test_one_cache_for_every_call_and_sampler(llama):
     """The pool is allocated at the first generation and reused: a later call, and another sampler on the same pool
     (evaluation's, at another temperature), write into the same tensors."""

@@ -8,7 +8,8 @@ CPU freezing pass does), and the call's forwards multiply by the packed copy. Un
 the copy is packed in the autocast dtype, so the per-step cast of every weight is gone too.
 
 1. CPU only, and only weights that are plain tensors: a TP-sharded linear is a DTensor whose parallel style
-   hooks on the module redistribute its input and output; those stay as they are.
+   hooks on the module redistribute its input and output; those stay as they are. bf16 only where the CPU has
+   avx512bw/vl/dq or avx_ne_convert (oneDNN's bf16 reorder needs them); elsewhere bf16 layers stay F.linear's.
 2. The packed copy costs the packed layers' weights once more, for the call (FSDP's gathered ones included).
 3. Same products: oneDNN accumulates a row's K terms in another order than MKL's GEMM; fp32 logits move by
    ~1e-6, the tokens drawn do not (tests/test_sampler.py's cached-vs-oracle checks judge it).
@@ -19,6 +20,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torchtitan.tools.logging import logger
 
 from plugin.runtime import internals
 
@@ -71,6 +73,9 @@ def _packable(module: nn.Module) -> bool:
         and w.dtype in (torch.float32, torch.bfloat16)
 
 
+_UNPACKED: set[torch.dtype] = set()  # the dtypes this CPU cannot pack, logged once
+
+
 @contextmanager
 def packed_linears(model: nn.Module):
     """Every packable nn.Linear of `model` runs on a packed weight until the block exits (CPU; else nothing).
@@ -84,6 +89,12 @@ def packed_linears(model: nn.Module):
             for name, child in list(parent.named_children()):
                 if _packable(child):
                     dtype = torch.get_autocast_dtype("cpu") if autocast else child.weight.dtype
+                    if not internals.onednn_packs(dtype):  # F.linear, as without packing
+                        if dtype not in _UNPACKED:
+                            _UNPACKED.add(dtype)
+                            logger.warning(f"Generation: this CPU's oneDNN cannot pack {dtype} weights (bf16 needs "
+                                           "avx512bw/vl/dq or avx_ne_convert); its linear layers run unpacked")
+                        continue
                     setattr(parent, name, PackedLinear(child, dtype))
                     swapped.append((parent, name, child))
         yield len(swapped)

@@ -55,13 +55,15 @@ test per entry that fails naming the entry when torch changes it.
    one writer. The number of workers is an option of the constructor only, and `init_process_group` and
    `new_group` build gloo groups without passing options; so the constructor is wrapped to force one worker.
    docs/reliability.md has the reproducer.
-11. `torch.ops.mkldnn._reorder_linear_weight` and `torch.ops.mkldnn._linear_pointwise` (`onednn_pack_linear`,
-   `onednn_linear`, CPU generation only): a decode step's small batches spend more time in the GEMM's per-call
+11. `torch.ops.mkldnn._reorder_linear_weight`, `torch.ops.mkldnn._linear_pointwise` and
+   `torch.ops.mkldnn._is_mkldnn_bf16_supported` (`onednn_pack_linear`, `onednn_linear`, `onednn_packs`, CPU
+   generation only): a decode step's small batches spend more time in the GEMM's per-call
    reorder of each weight than in the product (plugin.generation.onednn); these two ops are what inductor's CPU
    freezing pass emits to reorder a linear weight once and multiply by it. The public `torch.utils.mkldnn.to_mkldnn`
    packs an fp32 weight too, but converts every input to an mkldnn tensor and back (1.5x the time of these at a
    [128 x 576] x [576 x 1536] product here) and freezing itself would bake one optimizer step's weights into a
-   compiled graph. Checked on torch 2.13.0.
+   compiled graph. The bf16 reorder needs avx512bw/vl/dq or avx_ne_convert, which the third op says (an AVX2-only
+   host here raised "bf16 path needs the cpu support ..." at the reorder, 2026-12-07). Checked on torch 2.13.0.
 12. `ProcessGroupNCCL.Options._timeout` (`nccl_options`, GPU only): asynchronous rollouts push weights over a
    process group of the trainer's rank 0 and the generator processes, which are in no common default group, so it
    is built by the group's constructor from a store (plugin.generation.remote.push_group); the constructor takes
@@ -193,6 +195,16 @@ def gloo_one_worker() -> None:
     __init__.one_worker = True
     __init__.__wrapped__ = construct  # torch's own, for the test that shows the race
     ProcessGroupGloo.__init__ = __init__
+
+
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether this CPU's oneDNN packs weights of `dtype` (entry 11): fp32 wherever oneDNN is built in; bf16 only with
+    avx512bw/vl/dq or avx_ne_convert (an AVX2-only CPU raises at the reorder)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def onednn_pack_linear(weight: torch.Tensor, rows_hint: int) -> torch.Tensor:
