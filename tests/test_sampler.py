@@ -18,7 +18,8 @@ from torch.distributed.tensor import DTensor
 from conftest import build_model, run_ranks
 from plugin.generation.engine import KVCacheSampler, SlotAttention, build_sampler
 from plugin.generation.sampler import NoCacheSampler
-from plugin.generation.sampling import _mix, _mix32, gumbel, pick, row_seeds, sample, shard_candidates
+from plugin.generation.sampling import (_mix, _mix32, compiled_uniform, gumbel, pick, row_seeds, sample,
+                                       shard_candidates)
 
 SEQ_LEN = 48  # the RoPE table: [training] seq_len
 N = 12  # max_new_tokens
@@ -474,6 +475,16 @@ def test_noise_is_a_function_of_key_token_index_and_vocab_id():
     assert torch.equal(g[:, 700:], noise(keys, 3, 700, 571))  # a vocab shard draws the full vocabulary's noise
     for other in (noise(keys, 4, 0, 1271), noise(keys + 1, 3, 0, 1271)):
         assert (g != other).float().mean() > 0.999  # another token index or key: other draws (float32 may tie)
+
+
+@pytest.mark.slow  # inductor compiles the hash
+def test_compiled_noise_is_the_eager_noise_bit_for_bit():
+    """compile_decode's hash (compiled_uniform) against the eager one: rows of 1, 3 and 17 keys (1 specializes, the
+    others share a graph), shard offsets, a column count that is no multiple of a vector's width."""
+    compiled = compiled_uniform()
+    for rows, t, start, count in [(3, 0, 0, 1271), (17, 5, 700, 49_152), (1, 2, 123, 77), (17, 9, 151_000, 936)]:
+        seeds = row_seeds(torch.arange(rows, dtype=torch.int64) * 7919 - 5, t)
+        assert torch.equal(gumbel(seeds, start, count, compiled), gumbel(seeds, start, count))
 
 
 def test_noise_is_gumbel():

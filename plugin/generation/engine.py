@@ -33,7 +33,7 @@ from torchtitan.tools.logging import logger
 from plugin.generation.onednn import packed_linears
 from plugin.generation.sampler import (NoCacheSampler, Sampler, Samples, Turns, _BaseSampler, _any_rank, _max_rank,
                                        _round_up, _to_keys, check_prompts, generation_mode, resume_turns)
-from plugin.generation.sampling import local_vocab, row_seeds, sample_sharded
+from plugin.generation.sampling import compiled_uniform, local_vocab, row_seeds, sample_sharded, uniform
 from plugin.model.attention import attention_modules
 from plugin.runtime import internals
 
@@ -259,6 +259,7 @@ class _Run:
         self.cols: list[int] = []  # host: each live slot's column (it knows every step's)
         self.turn_start, self.ended, self.truncated = [0] * n, [None] * n, [False] * n
         self.forward = engine.decode_forward()
+        self.uniform = compiled_uniform() if engine.compile_decode else uniform
 
     def decode(self) -> None:
         self._admit()
@@ -291,7 +292,7 @@ class _Run:
         logits = self.forward(self.last[:M][None], positions=positions.clamp_max(e.max_seq_len - 1)[None])
         local, shard = local_vocab(logits)
         token, logprob = sample_sharded(local.reshape(-1, local.shape[-1]), shard, row_seeds(self.key[:M], col),
-                                        e.temperature)
+                                        e.temperature, self.uniform)
         self.tokens[rows, col], self.logprobs[rows, col] = token, logprob
         self.done[:M] |= torch.isin(token, self.stops) | (col + 1 >= self.N)
         self.last[:M] = token
