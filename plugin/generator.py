@@ -68,7 +68,7 @@ class Generator:
                 write_port(port_file, port)
         else:
             port = port or read_port(port_file, timeout)
-            self.store = connect(host, port, timeout, what="the generators' rank 0")
+            self.store = connect(host, port, timeout, what=f"{timeout:g} s (the generators' rank 0's store)")
         self.address = f"{o.generator_host}:{port}"
         self.trainer_pid = int(os.environ.get("PLUGIN_TRAINER_PID", 0))  # local mode: the trainer's rank 0
         self.failed: BaseException | None = None  # the receiving thread's error

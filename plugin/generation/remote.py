@@ -3,8 +3,9 @@
 [online] generator_mode = "local" or "remote" (docs/async.md). Two sides, one protocol:
 
 1. **Rendezvous.** The generators' rank 0 serves a TCPStore at generator_host:generator_port (local mode without a
-   port: one it binds itself and writes to the dump folder's generator/port); every trainer rank connects to it. The trainer's rank 0 claims the generators (`trainers`, a counter: a second trainer is refused
-   rather than mixing its weights in) and writes a `Hello`: the policy's parameter names, shapes and dtypes, the
+   port: one it binds itself and writes to the dump folder's generator/port); every trainer rank connects to it.
+   The trainer's rank 0 claims the generators (`trainers`, a counter: a second trainer is refused rather than
+   mixing its weights in) and writes a `Hello`: the policy's parameter names, shapes and dtypes, the
    data position to draw from, the weights' version, max_staleness. Each generator rank answers `ready/<rank>`
    with "" or the reason it cannot serve this trainer (another model: the first differing parameter).
 2. **Weights** go over a process group of the trainer's rank 0 and the generator ranks (gloo on CPU, NCCL on GPU),
@@ -47,8 +48,8 @@ from torch.distributed.tensor import DTensor
 from torchtitan.tools.logging import logger
 
 from plugin import cpu
-from plugin.runtime import internals
 from plugin.model.parallelize import unwrapped_name
+from plugin.runtime import internals
 
 STOP, EVALUATE = 1, 2  # push header flags
 BUCKET_BYTES = 256 << 20
@@ -130,7 +131,7 @@ def heartbeat(host: str, port: int, key: str, stop: threading.Event) -> None:
 
 def connect(host: str, port: int, timeout: float, check=lambda: None, what: str = "") -> dist.TCPStore:
     """A client of the generators' store at host:port, once it listens, within `timeout` seconds (`check` runs between
-    tries: a dead local generator raises there).
+    tries: a dead local generator raises there; `what`: the limit a failure names, and its setting).
 
     A plain socket probes first: a connect to a local port nobody listens on yet can connect to itself (TCP's
     simultaneous open: the kernel may pick that very port as the source), and a TCPStore client then waits on its
@@ -139,10 +140,11 @@ def connect(host: str, port: int, timeout: float, check=lambda: None, what: str 
     deadline = time.monotonic() + timeout
     while True:
         try:
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+            with socket.socket(family, kind, proto) as probe:
                 probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 probe.settimeout(max(1.0, min(10.0, deadline - time.monotonic())))
-                probe.connect((socket.gethostbyname(host), port))
+                probe.connect(address)
                 if probe.getsockname() == probe.getpeername():
                     raise ConnectionRefusedError(f"the connection to {host}:{port} reached itself, nobody listens yet")
             store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
@@ -232,7 +234,8 @@ def _spawn(job_config, port: int, port_file: str) -> subprocess.Popen:
                 ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={o.generator_tensor_parallel_size}"])
     command = [sys.executable, *launcher, "-m", "plugin.generator", "--from-json", config, "--port", str(port),
                "--port-file", port_file]
-    logger.info(f"Starting {o.generator_tensor_parallel_size} generator process(es) at 127.0.0.1:{port or '(their choice)'}"
+    logger.info(f"Starting {o.generator_tensor_parallel_size} generator process(es) at 127.0.0.1:"
+                f"{port or '(a port of their choosing)'}"
                 + (f" on {'cores' if cpu.is_active() else 'GPUs'} {o.generator_devices}" if o.generator_devices else ""))
     return subprocess.Popen(command, env=_child_env(job_config, port, os.getpid()))
 
