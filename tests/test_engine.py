@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from test_sampler import KEYS, LOGPROB_ATOL, N, PAD, TEMPERATURE, build, max_logprob_diff, prompts
+from test_sampler import KEYS, LOGPROB_ATOL, N, PAD, TEMPERATURE, _counting, build, max_logprob_diff, prompts
 
 from plugin.generation import engine
 from plugin.generation.engine import KVPool, build_sampler
@@ -88,14 +88,14 @@ def _watch(events: list, big: int):
 
 def test_decode_steps_make_no_host_sync_and_allocate_no_cache_between_checks(llama):
     """From a call's first decode step to its last, only the stop checks read anything back: the steps between two
-    checks dispatch no sync op and no Python read of a tensor, and allocate nothing a slot's cache size or larger."""
+    checks dispatch no sync op and no Python read of a tensor, and allocate nothing as large as a layer's cache."""
     model, stops, base = llama
     pool = KVPool()
     sampler = _sampler(model, stops, check_every=4, pool=pool)
     sampler.generate(prompts()[:2], KEYS[:2])  # the pool's first allocation
-    slot = sum(k[0].numel() for k in pool.layers[:1]) // pool.slots  # one slot of one layer's K
+    layer = pool.layers[0][0].numel() + pool.prompts[0][0].numel()  # one layer's K: what a gather of keys makes
     events = []
-    with _watch(events, slot):
+    with _watch(events, layer):
         got = sampler.generate(prompts(), KEYS)
     assert got.completions == base.completions
     # what a step dispatches follows its marker until the next marker; a check's reads follow the check's
@@ -139,6 +139,29 @@ def test_slots_take_queued_rows_as_others_finish(llama):
     assert len(rows) < consecutive, (len(rows), consecutive)
 
 
+def test_a_row_joins_its_prompts_entry_while_a_member_is_in_flight(llama):
+    """A group's members read one prompt entry, also across admissions: 2 slots over [P3, P1, P3]; row 1 (P1) stops
+    after 5 tokens and row 2 takes its slot while row 0 (P3) still decodes, so it reads row 0's entry, with no second
+    prefill. The draws are each row's alone. The cache holds 2 prompt entries, not a prompt per slot."""
+    model, stops, base = llama
+    P = prompts()
+    rows, keys = [P[3], P[1], P[3]], [KEYS[3], KEYS[1], KEYS[0]]
+    assert len(base.completions[1]) < len(base.completions[3])  # row 1 frees its slot first
+    prefills = []
+    pool = KVPool()
+    model.hidden_states = _counting(model.hidden_states, prefills)  # an instance attribute over the method
+    try:
+        got = _sampler(model, stops, max_num_seqs=2, check_every=1, pool=pool).generate(rows, keys)
+    finally:
+        del model.hidden_states
+    assert prefills == [2]  # the first admission's two distinct prompts; row 2 joined P3's entry
+    assert pool.entries == 2 and pool.prompts[0][0].shape[0] == 2
+    assert got.completions[:2] == [base.completions[3], base.completions[1]]
+    alone = _sampler(model, stops).generate([P[3]], [KEYS[0]])
+    assert got.completions[2] == alone.completions[0]
+    assert max(abs(x - y) for x, y in zip(alone.logprobs[0], got.logprobs[2])) <= LOGPROB_ATOL
+
+
 def test_a_cpu_that_cannot_pack_bf16_generates_with_its_linears_unpacked(llama, monkeypatch):
     """oneDNN's bf16 reorder needs avx512bw/vl/dq or avx_ne_convert (an AVX2-only host raised at the first bf16
     call): there the bf16 layers stay F.linear's and the fp32 ones are packed still."""
@@ -162,12 +185,12 @@ def test_one_cache_for_every_call_and_sampler(llama):
     model, stops, base = llama
     pool = KVPool()
     first = _sampler(model, stops, pool=pool).generate(prompts(), KEYS)
-    addresses = [(k.data_ptr(), v.data_ptr()) for k, v in pool.layers]
+    addresses = [(k.data_ptr(), v.data_ptr()) for k, v in pool.layers + pool.prompts]
     assert pool.bytes() > 0
     again = _sampler(model, stops, pool=pool).generate(prompts()[:3], KEYS[:3])
     greedy = build_sampler(model, kv_cache=True, max_new_tokens=N, stop_ids=stops, temperature=0.0, pad_id=PAD,
                            pool=pool).generate(prompts(), KEYS)
-    assert [(k.data_ptr(), v.data_ptr()) for k, v in pool.layers] == addresses
+    assert [(k.data_ptr(), v.data_ptr()) for k, v in pool.layers + pool.prompts] == addresses
     assert first.completions == base.completions and again.completions == base.completions[:3]
     assert len(greedy.completions) == len(KEYS)
 

@@ -382,7 +382,8 @@ def test_replay_routes_the_trainer_as_the_sampler_did_where_their_routers_disagr
     another engine's numerics would), so the two pick different experts for many tokens. Without replay the
     trainer's log-probs of the sampled tokens miss the sampler's; replaying the sampler's captured routing (the
     trainer's own scores as gate weights) gives them back to fp32 rounding. The cached sampler, the no-cache oracle
-    and a resumed tool turn capture the same routing."""
+    and a resumed tool turn capture the same routing, and so does a row that joins its prompt's entry in the engine's
+    cache while a member decodes (its prompt routed by the member's prefill)."""
     from conftest import build_model
     from plugin.generation.engine import build_sampler
 
@@ -393,17 +394,18 @@ def test_replay_routes_the_trainer_as_the_sampler_did_where_their_routers_disagr
         for moe in routing.layers:
             moe.router.gate.weight.mul_(0.01)  # the 8 experts' scores within ~1e-4 of each other
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 2000, (n,), generator=g).tolist() for n in (5, 9, 7, 9)]
+    prompts = [torch.randint(3, 2000, (n,), generator=g).tolist() for n in (5, 9, 7)]
+    prompts.append(prompts[1])  # a group of two
 
-    def sample(kv_cache, stops=(), turns=None, bias=2e-3):
+    def sample(kv_cache, stops=(), turns=None, bias=2e-3, rows=(0, 1, 2, 3), **options):
         with torch.no_grad():
             for moe in routing.layers:
                 moe.expert_bias.copy_(torch.linspace(0, bias, 8))
         sampler = build_sampler(model, kv_cache=kv_cache, max_new_tokens=12, stop_ids=list(stops), temperature=1.0,
-                                pad_id=0)
+                                pad_id=0, **options)
         try:
             with routing.capturing_samples():
-                return sampler.generate(prompts, [11, 12, 13, 14], turns)
+                return sampler.generate([prompts[b] for b in rows], [11 + b for b in rows], turns)
         finally:
             with torch.no_grad():
                 for moe in routing.layers:
@@ -423,6 +425,13 @@ def test_replay_routes_the_trainer_as_the_sampler_did_where_their_routers_disagr
     for a, b in zip(*(r.routed_experts for r in resumed)):
         assert (a == b).all()
     assert sample(True, bias=0).routed_experts[0].tolist() != cached.routed_experts[0].tolist()
+    # 2 slots over rows 0, 1, 3: row 0 stops within 4 tokens, and at the check after 8 row 3 takes its slot and
+    # reads the prompt entry of row 1 (the same prompt), which decodes on
+    stop = next(t for t in cached.completions[0][:4] if t not in cached.completions[1][:10])
+    joined = [sample(kv_cache, [stop], rows=(0, 1, 3), max_num_seqs=2 if kv_cache else 0) for kv_cache in (True, False)]
+    assert joined[0].completions == joined[1].completions and len(joined[0].completions[1]) > 8
+    for a, b in zip(*(r.routed_experts for r in joined)):
+        assert (a == b).all()
 
     inputs, labels, sampler_lp, routed = _trainer_rows(prompts, cached, layers)
     mask = labels != -100

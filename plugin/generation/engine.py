@@ -20,6 +20,7 @@ moved slots are copied) and the free slots take the next queued rows, a group's 
    over the data-parallel ranks) makes every rank run the same forwards: an idle rank runs discarded ones.
 """
 
+import heapq
 from collections import deque
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -40,65 +41,90 @@ from plugin.runtime import internals
 
 @dataclass
 class StepInputs:
-    """Where the next forward's tokens go in the cache; the engine sets it before each forward, every layer reads it."""
+    """Where the next forward's tokens go in the cache and what they attend; the engine sets it before each forward,
+    every layer reads it. A decode step's or resumed chunk's token r is a query row; see `_attend`."""
 
-    positions: torch.Tensor | None = None  # [M] each input token's position; None: a prefill from position 0
-    slots: torch.Tensor | None = None  # [M] each token's slot; None: token i is slot i's (a decode step)
-    mask: torch.Tensor | None = None  # [M, 1, 1, length] additive, over the cache positions attended: each token
-    # sees its slot up to its position
-    members: torch.Tensor | None = None  # prefill: the slot of each member row
-    member_prompt: torch.Tensor | None = None  # prefill: each member's row of the prefilled (distinct) prompts
+    columns: torch.Tensor | None = None  # [R] each token's completion column; None: a prefill
+    slots: torch.Tensor | None = None  # [R] each token's slot; None: token r is slot r's (a decode step)
+    seen: torch.Tensor | None = None  # [R or more, C or more] additive over each token's slot's completion columns
+    prompt_mask: torch.Tensor | None = None  # [E or more, L or more] additive: each entry's prompt positions
+    # the columns C and prompt positions L attended, as the sizes of two index ranges: a compiled step reads the masks
+    # whole and slices them itself (a slice made outside would be contiguous at the first call only: a second graph)
+    span: torch.Tensor | None = None
+    prompt_span: torch.Tensor | None = None
+    by_prompt: torch.Tensor | None = None  # [E, G] the query rows of entry e (padding: row 0)
+    where: torch.Tensor | None = None  # [R] each row's cell in by_prompt, flattened
+    entries: torch.Tensor | None = None  # prefill: the entry each prefilled prompt goes to
 
 
 class KVPool:
-    """Each attention layer's K and V for `slots` rows of `length` positions, this rank's KV heads.
+    """Each attention layer's keys and values of this rank's KV heads, in two stores, allocated once.
 
-    Allocated at the first prefill of each layer, in its dtype, and kept: a call that needs more slots or longer
-    rows (at most [training] seq_len + 1 positions) drops it, and its first prefill allocates the larger one.
-    `bytes()` is what it holds."""
+    - Prompts: `entries` entries of `prompt_length` positions, one per distinct prompt in flight. A group's G members
+      read their prompt's entry: no G copies of it.
+    - Completions: `slots` slots of `columns` positions, one per row in flight: the row's last prompt token (its
+      first decode input), what it drew and the tool turns appended to it.
+    Two additive masks are the cache's state, not rebuilt per step: `prompt_mask` [entries, prompt_length] (0 up to
+    an entry's prompt length, set when it is prefilled) and `seen` [slots, columns] (0 up to what a slot holds, one
+    element opened per decode step).
+
+    K/V are allocated at the first prefill of each layer, in its dtype, and kept: a call that needs more of a dimension
+    (the prompt loader caps rows at [training] seq_len + 1 positions) drops them, and its first prefill allocates the
+    larger ones. `bytes()` is what they hold."""
 
     def __init__(self):
-        self.length = self.slots = 0
-        self.layers: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        self.slots = self.columns = self.entries = self.prompt_length = 0
+        self.layers: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # completions: [slots, H_kv, columns, hd]
+        self.prompts: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # [entries, H_kv, prompt_length, hd]
+        self.seen = self.prompt_mask = self.ids = None
 
-    def reserve(self, slots: int, length: int, layers: int) -> None:
-        """At least `slots` slots of `length` positions for a call."""
-        if slots > self.slots or length > self.length or len(self.layers) != layers:
+    def reserve(self, slots: int, columns: int, entries: int, prompt_length: int, layers: int,
+                device: torch.device) -> None:
+        """At least `slots` x `columns` and `entries` x `prompt_length` for a call."""
+        want = (slots, columns, entries, prompt_length)
+        have = (self.slots, self.columns, self.entries, self.prompt_length)
+        if any(w > h for w, h in zip(want, have)) or len(self.layers) != layers or self.seen is None \
+                or self.seen.device != device:
+            grown = tuple(max(w, h) for w, h in zip(want, have))
             if self.slots:
-                logger.info(f"KV cache: {self.slots} x {self.length} -> {max(slots, self.slots)} x "
-                            f"{max(length, self.length)} (slots x positions)")
-            self.slots, self.length = max(slots, self.slots), max(length, self.length)
-            self.layers = [None] * layers
+                logger.info(f"KV cache: {have} -> {grown} (slots x columns, prompt entries x positions)")
+            self.slots, self.columns, self.entries, self.prompt_length = grown
+            self.layers, self.prompts = [None] * layers, [None] * layers
+            self.seen = torch.full((self.slots, self.columns), -torch.inf, device=device)
+            self.prompt_mask = torch.full((self.entries, self.prompt_length), -torch.inf, device=device)
+            self.ids = torch.arange(max(self.columns, self.prompt_length), device=device)
 
-    def buffers(self, layer: int, like: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer`'s K and V [slots, H_kv, length, hd]; `like` ([B, H_kv, T, hd]) allocates them if needed."""
+    def buffers(self, layer: int, like: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """Layer `layer`'s prompt K, V and completion K, V; `like` ([B, H_kv, T, hd]) allocates them if needed."""
         kv = self.layers[layer]
         if like is not None and (kv is None or kv[0].dtype != like.dtype or kv[0].shape[1] != like.shape[1]):
-            shape = (self.slots, like.shape[1], self.length, like.shape[3])
-            kv = self.layers[layer] = (like.new_zeros(shape), like.new_zeros(shape))
-            # a compiled step traces the slots and positions as sizes: a pool grown for a larger call compiles nothing
-            internals.lengths_vary((kv[0], 0), (kv[1], 0), (kv[0], 2), (kv[1], 2))
-        return kv
+            _, H_kv, _, hd = like.shape
+            kv = self.layers[layer] = tuple(like.new_zeros(self.slots, H_kv, self.columns, hd) for _ in "kv")
+            self.prompts[layer] = tuple(like.new_zeros(self.entries, H_kv, self.prompt_length, hd) for _ in "kv")
+            # a compiled step traces the stores' sizes: a pool grown for a larger call compiles nothing
+            internals.lengths_vary(*((t, d) for t in (*kv, *self.prompts[layer]) for d in (0, 2)))
+        return (*self.prompts[layer], *kv)
 
     def bytes(self) -> int:
-        return sum(2 * kv[0].numel() * kv[0].element_size() for kv in self.layers if kv is not None)
+        return sum(t.numel() * t.element_size() for kv in (*self.layers, *self.prompts) if kv is not None for t in kv)
 
-    def move(self, sources: list[int], targets: list[int], length: int) -> None:
-        """Slots `sources`' first `length` positions to slots `targets`, in every layer."""
-        src, dst = (torch.tensor(x, device=self.layers[0][0].device) for x in (sources, targets))
+    def move(self, sources: list[int], targets: list[int], columns: int) -> None:
+        """Slots `sources`' first `columns` completion columns (and their masks) to slots `targets`, in every layer."""
+        src, dst = (torch.tensor(x, device=self.seen.device) for x in (sources, targets))
+        self.seen[dst] = self.seen[src]
         for k, v in self.layers:
-            k[dst, :, :length] = k[src, :, :length]
-            v[dst, :, :length] = v[src, :, :length]
+            k[dst, :, :columns] = k[src, :, :columns]
+            v[dst, :, :columns] = v[src, :, :columns]
 
 
 class SlotAttention(nn.Module):
     """An Attention's `inner_attention` during generation: writes this layer's K/V into the pool and attends to it.
 
-    Prefill ([U, H, P, hd], distinct prompts from position 0): causal SDPA over the prompts, whose K/V go to
-    each member's slot. Decode ([1, H, M, hd], the rows folded into the sequence dim): token m writes slot m's
-    (or `slots[m]`'s) position `positions[m]` and attends to that slot up to it. The query heads of each KV
-    head are folded into SDPA's query-length dim ([M, H_kv, H / H_kv, hd]), so grouped-query attention reads
-    K/V in place, without `enable_gqa`'s copy.
+    Prefill ([U, H, P, hd], the new distinct prompts from position 0, all but their last token): causal SDPA over
+    them, their K/V into their prompt entries. Decode ([1, H, R, hd], the rows folded into the sequence dim): token r
+    writes slot r's (or `slots[r]`'s) completion column `columns[r]` and attends its prompt's entry and its slot
+    (`_attend`). The query heads of each KV head are folded into the query-length dim ([R, H_kv, H / H_kv, hd]), so
+    grouped-query attention reads K/V in place, without `enable_gqa`'s copy.
     """
 
     def __init__(self, step: StepInputs, pool: KVPool, layer: int):
@@ -111,49 +137,70 @@ class SlotAttention(nn.Module):
             mesh, placements = q.device_mesh, q.placements
             q, k, v = q.to_local(), k.to_local(), v.to_local()
         step = self.step
-        if step.positions is None:
-            keys, values = self.pool.buffers(self.layer, like=k)
-            P = k.shape[2]
-            keys[step.members, :, :P] = k[step.member_prompt]
-            values[step.members, :, :P] = v[step.member_prompt]
+        if step.columns is None:
+            prompt_keys, prompt_values, _, _ = self.pool.buffers(self.layer, like=k)
+            U, P = step.entries.shape[0], k.shape[2]
+            prompt_keys[step.entries, :, :P] = k[:U]  # an idle peer's discarded prompt goes nowhere
+            prompt_values[step.entries, :, :P] = v[:U]
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
         else:
-            keys, values = self.pool.buffers(self.layer)
-            _, H, M, hd = q.shape
-            write = torch.arange(M, device=q.device) if step.slots is None else step.slots
-            keys[write, :, step.positions] = k[0].transpose(0, 1)  # [M, H_kv, hd]
-            values[write, :, step.positions] = v[0].transpose(0, 1)
+            prompt_keys, prompt_values, keys, values = self.pool.buffers(self.layer)
+            _, H, R, hd = q.shape
+            write = torch.arange(R, device=q.device) if step.slots is None else step.slots
+            keys[write, :, step.columns] = k[0].transpose(0, 1)  # [R, H_kv, hd]
+            values[write, :, step.columns] = v[0].transpose(0, 1)
             H_kv = keys.shape[1]
-            grouped = q[0].transpose(0, 1).reshape(M, H_kv, H // H_kv, hd)  # query head h reads KV head h // (H / H_kv)
-            length = step.mask.shape[-1]  # compiled: a dynamic size of the graph's input
-            if step.slots is None:  # slots 0..M-1 in place
-                keys, values = keys[:M, :, :length], values[:M, :, :length]
+            grouped = q[0].transpose(0, 1).reshape(R, H_kv, H // H_kv, hd)  # query head h reads KV head h // (H / H_kv)
+            # compiled: dynamic sizes of the graph's inputs
+            E, length, columns = step.by_prompt.shape[0], step.prompt_span.shape[0], step.span.shape[0]
+            if step.slots is None:  # slots 0..R-1 in place
+                keys, values = keys[:R, :, :columns], values[:R, :, :columns]
             else:  # a chunk of appended ids: copies of their slots
-                keys, values = keys[step.slots, :, :length], values[step.slots, :, :length]
-            out = _decode_attention(grouped, keys, values, step.mask.to(q.dtype), scale)
-            out = out.reshape(M, H, hd).transpose(0, 1)[None]  # [1, H, M, hd]
+                keys, values = keys[step.slots, :, :columns], values[step.slots, :, :columns]
+            out = _attend(grouped, keys, values, step.seen[:R, :columns], prompt_keys[:E, :, :length],
+                          prompt_values[:E, :, :length], step.prompt_mask[:E, :length], step.by_prompt, step.where, scale)
+            out = out.reshape(R, H, hd).transpose(0, 1)[None]  # [1, H, R, hd]
         if mesh is not None:
             out = DTensor.from_local(out, mesh, placements, run_check=False)
         return out
 
 
-def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                      scale: float | None) -> torch.Tensor:
-    """[M, H_kv, G, hd] queries over [M, H_kv, length, hd] keys and values under an additive mask.
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seen: torch.Tensor, prompt_keys: torch.Tensor,
+            prompt_values: torch.Tensor, prompt_mask: torch.Tensor, by_prompt: torch.Tensor, where: torch.Tensor,
+            scale: float | None) -> torch.Tensor:
+    """Queries [R, H_kv, G, hd] over their prompt's entry and their own slot: one softmax over both.
 
-    CPU fp32: two batched matmuls and a softmax, 1.5x SDPA's flash kernel at decode shapes here (its blocking is
-    made for long queries; these have G rows); elsewhere SDPA (benchmarks/engine_speed.py)."""
-    if q.device.type != "cpu" or q.dtype != torch.float32:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(q.shape[-1] ** -0.5 if scale is None else scale).add_(mask)
-    return torch.matmul(scores.softmax(dim=-1), v)
+    - Their slots: `keys`/`values` [R, H_kv, C, hd] under `seen` [R, C], two batched matmuls.
+    - Their prompts: entry e's queries are gathered to `by_prompt[e]` and meet its keys [E, H_kv, L, hd] in one
+      product per entry, so a prompt's keys are read once for its G members and never gathered; row r's scores are
+      cell `where[r]` of the result. Only scores and probabilities (no keys) are gathered.
+    The scores are fp32 whatever the cache's dtype. On CPU fp32 this beat SDPA's flash kernel 1.5x at decode shapes
+    (its blocking is made for long queries; these have G query rows)."""
+    R, H_kv, G, hd = q.shape
+    E, members = by_prompt.shape
+    scale = hd ** -0.5 if scale is None else scale
+    cells = by_prompt.flatten()
+
+    def by_entry(x):  # [R, H_kv, G, n] -> [E, H_kv, members * G, n], each entry's members' rows
+        return x[cells].view(E, members, H_kv, G, -1).transpose(1, 2).reshape(E, H_kv, members * G, x.shape[-1])
+
+    def by_row(x):  # the inverse: [E, H_kv, members * G, n] -> [R, H_kv, G, n]
+        return x.view(E, H_kv, members, G, -1).transpose(1, 2).reshape(E * members, H_kv, G, x.shape[-1])[where]
+
+    prompt = torch.matmul(by_entry(q), prompt_keys.transpose(-1, -2)).float().mul_(scale)
+    prompt = by_row(prompt.add_(prompt_mask[:, None, None, :]))
+    own = torch.matmul(q, keys.transpose(-1, -2)).float().mul_(scale).add_(seen[:, None, None, :])
+    probs = torch.cat([prompt, own], dim=-1).softmax(dim=-1).to(q.dtype)
+    length = prompt.shape[-1]
+    out = torch.matmul(probs[..., length:], values)
+    return out.add_(by_row(torch.matmul(by_entry(probs[..., :length]), prompt_values)))
 
 
-def _mask(positions: torch.Tensor, length: int) -> torch.Tensor:
-    """[M, 1, 1, length] additive: each token's slot up to its own position; made once per forward for every layer."""
-    seen = torch.arange(length, device=positions.device)
-    return torch.zeros((), device=positions.device).expand(positions.shape[0], length).masked_fill(
-        seen > positions[:, None], -torch.inf)[:, None, None, :]
+def _visible(columns: torch.Tensor, length: int) -> torch.Tensor:
+    """[R, length] additive: each token's slot up to its own column (a resumed chunk's tokens, made at a check)."""
+    seen = torch.arange(length, device=columns.device)
+    return torch.zeros((), device=columns.device).expand(columns.shape[0], length).masked_fill(
+        seen > columns[:, None], -torch.inf)
 
 
 class KVCacheSampler(_BaseSampler):
@@ -172,15 +219,19 @@ class KVCacheSampler(_BaseSampler):
         """Sample a completion for each prompt; every rank calls this at the same time (see the module's docstring)."""
         check_prompts(prompts, keys, self.max_seq_len, self.max_new_tokens, self.device)
         n = len(prompts)
-        # a row's inputs sit at positions up to len(prompt) - 1 + max_new_tokens (its draws past its end included);
-        # the position after the longest row's is scratch, for writes that are discarded
-        self.pool.reserve(_round_up(max(self.max_num_seqs or n, 1), self.tp),
-                          max(map(len, prompts), default=1) + self.max_new_tokens + self.tp + 1,
-                          len(attention_modules(self.model)))
+        slots = _round_up(max(self.max_num_seqs or n, 1), self.tp)
+        # a row's decode inputs sit at completion columns 0..max_new_tokens (its draws past its end included); the
+        # columns after are scratch, for writes that are discarded. Two entries and positions at least: a compiled
+        # step's sizes are never 1 (a size of 1 would be a graph of its own). A prompt entry has a position more than
+        # a prefill writes, never read: an attended span as long as the store would be a graph of its own too.
+        self.pool.reserve(slots, self.max_new_tokens + self.tp + 1, max(min(slots, len(set(map(tuple, prompts)))), 2),
+                          max(_round_up(max(max(map(len, prompts), default=1) - 1, 1), self.tp), 2) + 1,
+                          len(attention_modules(self.model)), self.device)
         routing = getattr(self.model, "routing", None)
         captures = routing is not None and routing.captures_samples
-        # row n takes the draws of free slots (discarded); positions reach the pool's length
-        capturing = routing.capturing(n + 1, self.pool.length, self.device) if captures else nullcontext()
+        # row n takes the draws of free slots (discarded); positions reach the last scratch column's
+        length = max(map(len, prompts), default=1) + self.pool.columns
+        capturing = routing.capturing(n + 1, length, self.device) if captures else nullcontext()
         with generation_mode(self.model), self.autocast(), self._attached(), capturing as capture:
             self._capture = capture
             try:
@@ -223,8 +274,9 @@ class KVCacheSampler(_BaseSampler):
 
             def forward(tokens, positions):
                 # one graph for any row count and attended length: they are traced as sizes, not constants
-                internals.lengths_vary((tokens, 1), (positions, 1), (step.positions, 0), (step.mask, 0),
-                                       (step.mask, 3))
+                internals.lengths_vary((tokens, 1), (positions, 1), (step.columns, 0), (step.seen, 0), (step.seen, 1),
+                                       (step.prompt_mask, 0), (step.prompt_mask, 1), (step.by_prompt, 0),
+                                       (step.by_prompt, 1), (step.where, 0), (step.span, 0), (step.prompt_span, 0))
                 with torch.compiler.set_stance("default"):  # generation_mode's force_eager is lifted for it
                     return compiled(tokens, positions=positions)
 
@@ -233,12 +285,13 @@ class KVCacheSampler(_BaseSampler):
 
 
 class _Run:
-    """One generate call's queue, slots and outputs (slot i of the live ones holds row `live[i]`)."""
+    """One generate call's queue, slots, prompt entries and outputs (slot i of the live ones holds row `live[i]`, whose
+    prompt is in entry `entry[i]`)."""
 
     def __init__(self, engine: KVCacheSampler, prompts: list[list[int]], keys: list[int], turns: Turns | None):
         self.engine, self.prompts, self.turns = engine, prompts, turns
-        e, dev = engine, engine.device
-        n, N, S = len(prompts), engine.max_new_tokens, engine.pool.slots
+        e, dev, pool = engine, engine.device, engine.pool
+        n, N, S = len(prompts), engine.max_new_tokens, pool.slots
         self.n, self.N, self.S = n, N, S
         # row n: where free slots' draws go (discarded); column N: finished rows' draws until the next check
         self.tokens = torch.full((n + 1, N + 1), e.pad_id, dtype=torch.long, device=dev)
@@ -254,9 +307,19 @@ class _Run:
         self.last = torch.full((S,), e.pad_id, dtype=torch.long, device=dev)
         self.key = torch.zeros(S, dtype=torch.long, device=dev)
         self.done = torch.ones(S, dtype=torch.bool, device=dev)
+        self.slot_ids = torch.arange(S, device=dev)
         self.queue = deque(range(n))
         self.live: list[int] = []  # host: the row of each live slot, slots 0..m-1
         self.cols: list[int] = []  # host: each live slot's column (it knows every step's)
+        self.entry: list[int] = []  # host: each live slot's prompt entry
+        # the prompt entries: those in flight by prompt, and each one's prompt, live slots, prompt positions (all but
+        # the prompt's last token) and the row whose prefill routed it (R3); the free ones lowest first, so those in
+        # use stay low and a step reads few
+        self.entry_of: dict[tuple, int] = {}
+        U = pool.entries
+        self.prompt_of, self.users, self.prefix, self.first_row = [()] * U, [0] * U, [0] * U, [0] * U
+        self.free_entries = list(range(U))
+        self.grouping = None  # the decode steps' (prompt_span, by_prompt, where) until the next check
         self.turn_start, self.ended, self.truncated = [0] * n, [None] * n, [False] * n
         self.forward = engine.decode_forward()
         self.uniform = compiled_uniform() if engine.compile_decode else uniform
@@ -270,6 +333,8 @@ class _Run:
                 steps = _max_rank(steps, self.engine.device)
             if steps == 0:
                 return
+            M = min(self.engine._rows(len(self.live)), self.S)
+            self.grouping = self._grouped(self.entry + [None] * (M - len(self.live)))
             for _ in range(steps):
                 self._step()
             self._check()
@@ -278,15 +343,35 @@ class _Run:
         """`flag` on this rank, or with lockstep on any rank (whose forward this one must then join)."""
         return _any_rank(flag, self.engine.device) if self.engine.lockstep else flag
 
+    def _grouped(self, entries: list[int | None]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For query rows reading prompt entries `entries` (None: none, a discarded row): the prompt positions that
+        entries 0..E-1 hold (a span of them), each entry's rows (by_prompt [E, G], padded with row 0) and each row's
+        cell in it (where [R]). Made at a check, for the steps until the next. Every size two at least, as `_rows`'s."""
+        groups: dict[int, list[int]] = {}
+        for r, u in enumerate(entries):
+            if u is not None:
+                groups.setdefault(u, []).append(r)
+        E, G = max(max(groups, default=0) + 1, 2), max(max(map(len, groups.values()), default=0), 2)
+        by_prompt, where = [[0] * G for _ in range(E)], [0] * len(entries)
+        for u, rows in groups.items():
+            for j, r in enumerate(rows):
+                by_prompt[u][j], where[r] = r, u * G + j
+        length = max(max((self.prefix[u] for u in groups), default=0), 2)
+        dev = self.engine.device
+        return self.engine.pool.ids[:length], torch.tensor(by_prompt, device=dev), torch.tensor(where, device=dev)
+
     def _step(self) -> None:
         """One token for every live slot, and for free slots up to the step's row count (discarded)."""
         e, m = self.engine, len(self.live)
         M = min(e._rows(m), self.S)
         rows, col = self.row[:M], self.col[:M]
         positions = self.start[:M] + col
-        length = max((self.starts[b] + c for b, c in zip(self.live, self.cols)), default=0) + 1
+        seen = e.pool.seen
+        seen[self.slot_ids[:M], col] = 0.0  # each slot's column this step: its mask's one change
         step = e.step_inputs
-        step.positions, step.slots, step.mask = positions, None, _mask(positions, length)
+        step.columns, step.slots = col, None
+        step.seen, step.span = seen, e.pool.ids[:max(max(self.cols, default=0) + 1, 2)]
+        step.prompt_mask, (step.prompt_span, step.by_prompt, step.where) = e.pool.prompt_mask, self.grouping
         e._at(rows, positions)
         # a finished row's discarded draw at column N sits at most at position max_seq_len, past the RoPE table
         logits = self.forward(self.last[:M][None], positions=positions.clamp_max(e.max_seq_len - 1)[None])
@@ -330,88 +415,119 @@ class _Run:
         e, dev = self.engine, self.engine.device
         if not self._anyone(bool(resumed)):
             return
-        at, where, ids = [], [], []  # each appended input's slot, position and token
+        at, columns, ids = [], [], []  # each appended input's slot, completion column and token
         for i, b in slots.items():
             end, more = self.ended[b], resumed[b]
             self.tokens[b, end:end + len(more)] = torch.tensor(more, device=dev)
             self.logprobs[b, end:end + len(more)] = float("nan")
             self.appended[b, end:end + len(more)] = True
             at += [i] * len(more)
-            where += range(self.starts[b] + end, self.starts[b] + end + len(more))  # column c's token: start + 1 + c
+            columns += range(end, end + len(more))  # column c's input is the token drawn at column c - 1
             ids += self.tokens[b, end - 1:end + len(more) - 1].tolist()
             self.turn_start[b], self.ended[b] = end + len(more), None
             self.cols[i] = end + len(more)
         # to a multiple of the TP degree (and one at least: a forward every peer runs), writes that are discarded:
-        # at a resumed row's next position, which its next step overwrites, or past every row's last position
+        # at a resumed row's next column, which its next step overwrites, or at slot 0's last scratch column
         pad = _round_up(max(len(ids), 1), e.tp) - len(ids)
         if slots:
-            i, b = next(reversed(slots.items()))
-            at, where = at + [i] * pad, where + [self.starts[b] + self.cols[i]] * pad
+            i = next(reversed(slots))
+            at, columns = at + [i] * pad, columns + [self.cols[i]] * pad
         else:
-            at, where = at + [0] * pad, where + [self.engine.pool.length - 1] * pad
+            at, columns = at + [0] * pad, columns + [e.pool.columns - 1] * pad
         ids += [e.pad_id] * pad
         step = e.step_inputs
-        step.slots = torch.tensor(at, device=dev)
-        step.positions = torch.tensor(where, device=dev)
-        step.mask = _mask(step.positions, max(where) + 1)
-        e._at(self.row[step.slots], step.positions)
-        e.model.hidden_states(torch.tensor([ids], device=dev),
-                              positions=step.positions.clamp_max(e.max_seq_len - 1)[None])
+        step.slots, step.columns = torch.tensor(at, device=dev), torch.tensor(columns, device=dev)
+        step.span = e.pool.ids[:max(max(columns) + 1, 2)]
+        step.seen = _visible(step.columns, step.span.shape[0])
+        step.prompt_mask, (step.prompt_span, step.by_prompt, step.where) = e.pool.prompt_mask, self._grouped(
+            [self.entry[i] if i < len(self.entry) else None for i in at])
+        positions = self.start[step.slots] + step.columns
+        e._at(self.row[step.slots], positions)
+        e.model.hidden_states(torch.tensor([ids], device=dev), positions=positions.clamp_max(e.max_seq_len - 1)[None])
         step.slots = None
         if slots:
             index = torch.tensor(list(slots), device=dev)
             self.col[index] = torch.tensor([self.cols[i] for i in slots], device=dev)
             self.last[index] = self.tokens[torch.tensor(list(slots.values()), device=dev), self.col[index] - 1]
             self.done[index] = False
+            # a resumed slot holds the columns before its next input's; its discarded draws' past them are hidden
+            e.pool.seen[index] = _visible(self.col[index] - 1, e.pool.columns)
 
     def _free(self, leaving: list[int]) -> None:
-        """Slots `leaving` are free: the live slots after the last kept one move into the holes."""
+        """Slots `leaving` are free (and their prompt entries, if no slot reads them): the live slots after the last
+        kept one move into the holes."""
         m, gone = len(self.live), set(leaving)
+        for i in leaving:
+            u = self.entry[i]
+            self.users[u] -= 1
+            if not self.users[u]:
+                del self.entry_of[self.prompt_of[u]]
+                heapq.heappush(self.free_entries, u)
         kept = m - len(leaving)
         holes = [i for i in range(kept) if i in gone]
         movers = [i for i in range(kept, m) if i not in gone]
         if holes:
-            length = max(self.starts[self.live[i]] + self.cols[i] for i in movers) + 1
-            self.engine.pool.move(movers, holes, length)
+            self.engine.pool.move(movers, holes, max(self.cols[i] for i in movers) + 1)
             src, dst = (torch.tensor(x, device=self.engine.device) for x in (movers, holes))
             for state in (self.row, self.start, self.col, self.last, self.key, self.done):
                 state[dst] = state[src]
             for h, s in zip(holes, movers):
-                self.live[h], self.cols[h] = self.live[s], self.cols[s]
-        del self.live[kept:], self.cols[kept:]
+                self.live[h], self.cols[h], self.entry[h] = self.live[s], self.cols[s], self.entry[s]
+        del self.live[kept:], self.cols[kept:], self.entry[kept:]
         self.row[kept:m], self.col[kept:m], self.start[kept:m], self.done[kept:m] = self.n, 0, 0, True
 
     def _admit(self) -> None:
-        """Queued rows into the free slots: each distinct prompt among them prefilled once, into each member's slot."""
+        """Queued rows into the free slots. A row whose prompt is in flight reads its entry; each other distinct prompt
+        among them is prefilled once, into an entry of its own."""
         e, dev = self.engine, self.engine.device
         rows = [self.queue.popleft() for _ in range(min(self.S - len(self.live), len(self.queue)))]
-        if not self._anyone(bool(rows)):
-            return
-        prompts = [self.prompts[b] for b in rows] or [[e.pad_id]]  # an idle peer prefills a discarded prompt
-        distinct: dict[tuple, int] = {}
-        member_prompt = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts], device=dev)
-        firsts = [list(p) for p in distinct]
-        P = _round_up(max(max(map(len, firsts)) - 1, 1), e.tp)  # all but each prompt's last token
-        slots = list(range(len(self.live), len(self.live) + len(rows)))
-        step = e.step_inputs
-        step.positions, step.members = None, torch.tensor(slots, dtype=torch.long, device=dev)
-        step.member_prompt = member_prompt[:len(rows)]
-        cols = torch.arange(P, device=dev)
-        e._at(torch.tensor(rows or [self.n], device=dev).repeat_interleave(P), cols.repeat(max(len(rows), 1)),
-              (member_prompt[:, None] * P + cols).flatten())  # a distinct prompt's tokens, for each of its rows
-        e.model.hidden_states(e._padded([p[:-1] for p in firsts], P), positions=e._positions(P))
-        step.members = step.member_prompt = None
+        entries, new = [], {}  # each row's entry; the entries to prefill, with their prompts
+        for b in rows:
+            prompt = tuple(self.prompts[b])
+            u = self.entry_of.get(prompt)
+            if u is None:  # a free entry is there: those in use are at most the distinct prompts, and the slots
+                u = self.entry_of[prompt] = heapq.heappop(self.free_entries)
+                new[u], self.prompt_of[u], self.prefix[u], self.first_row[u] = prompt, prompt, len(prompt) - 1, b
+            self.users[u] += 1
+            entries.append(u)
+        if self._anyone(bool(new)):
+            self._prefill(new, rows, entries)
+        joined = [(b, u) for b, u in zip(rows, entries) if u not in new]
+        if joined and e._capture is not None:  # their prompt's routing is the row's that prefilled it
+            e._capture.copy([b for b, _ in joined], [self.first_row[u] for _, u in joined],
+                            [self.prefix[u] for _, u in joined])
         if not rows:
             return
-        index = torch.tensor(slots, device=dev)
+        index = self.slot_ids[len(self.live):len(self.live) + len(rows)]
         self.row[index] = torch.tensor(rows, device=dev)
         self.start[index] = torch.tensor([self.starts[b] for b in rows], device=dev)
         self.col[index] = 0
         self.last[index] = torch.tensor([self.prompts[b][-1] for b in rows], device=dev)
         self.key[index] = self.keys[rows]
         self.done[index] = False
+        e.pool.seen[index] = -torch.inf  # a slot holds nothing until its first step writes column 0
         self.live += rows
         self.cols += [0] * len(rows)
+        self.entry += entries
+
+    def _prefill(self, new: dict[int, tuple], rows: list[int], entries: list[int]) -> None:
+        """The prompts `new` (all but each one's last token) through the model at once, their K/V into their entries;
+        an idle peer prefills a discarded prompt."""
+        e, dev, pool = self.engine, self.engine.device, self.engine.pool
+        firsts = [list(p) for p in new.values()] or [[e.pad_id]]
+        P = _round_up(max(max(map(len, firsts)) - 1, 1), e.tp)
+        order = {u: k for k, u in enumerate(new)}
+        routed = [(b, order[u]) for b, u in zip(rows, entries) if u in order] or [(self.n, 0)]
+        cols = torch.arange(P, device=dev)
+        e._at(torch.tensor([b for b, _ in routed], device=dev).repeat_interleave(P), cols.repeat(len(routed)),
+              (torch.tensor([k for _, k in routed], device=dev)[:, None] * P + cols).flatten())  # each row's prompt
+        step = e.step_inputs
+        step.columns, step.entries = None, torch.tensor(list(new), dtype=torch.long, device=dev)
+        e.model.hidden_states(e._padded([p[:-1] for p in firsts], P), positions=e._positions(P))
+        if new:
+            pool.prompt_mask[step.entries] = _visible(torch.tensor([self.prefix[u] for u in new], device=dev) - 1,
+                                                      pool.prompt_length)
+        step.entries = None
 
     def samples(self) -> Samples:
         n, N, multi_turn = self.n, self.N, self.turns is not None

@@ -253,6 +253,12 @@ class Capture:
         # a later write to a position wins: a finished row's discarded draws are rewritten, or lie past its end
         self.experts[self._rows, self._positions, layer] = chosen
 
+    def copy(self, rows: list[int], sources: list[int], lengths: list[int]) -> None:
+        """Row `rows[i]`'s first `lengths[i]` positions routed as row `sources[i]`'s: a prompt both rows read, which
+        one prefill routed (the built-in engine's prompt sharing)."""
+        for b, source, n in zip(rows, sources, lengths):
+            self.experts[b, :n] = self.experts[source, :n]
+
     def row(self, b: int, length: int) -> np.ndarray:
         """Row b's first `length` positions, [length, layers, k] int16 on the host."""
         return self.experts[b, :length].cpu().numpy()
