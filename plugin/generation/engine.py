@@ -1,20 +1,23 @@
-"""The built-in engine: continuous batching over a KV cache of slots allocated once for the run.
+"""The built-in engine: continuous batching over a KV cache allocated once for the run.
 
-A call's rows are a queue. Up to `slots` rows decode together, one token each per step, each against its own
-slot of a cache allocated at the first generation and reused by every later call (training's and evaluation's
-samplers share it through the job). Every `check_every` steps the host looks at the stops, the decode loop's
-only host sync: a row that drew a stop id or reached max_new_tokens leaves, or with tool turns gets its
-tool's ids appended and goes on in its slot; the live rows are packed to the front of the pool (only the
-moved slots are copied) and the free slots take the next queued rows, a group's prompt prefilled once.
+A call's rows are a queue. Up to `slots` rows decode together, one token each per step. Each reads its prompt's
+entry in the cache's prompt store (one entry per distinct prompt in flight: a group's G members share it) and
+writes its own slot of the completion store. The cache is allocated at the first generation and reused by every
+later call (training's and evaluation's samplers share it through the job). Every `check_every` steps the host looks
+at the stops, the decode loop's only host sync: a row that drew a stop id or reached max_new_tokens leaves, or
+with tool turns gets its tool's ids appended and goes on in its slot; the live rows are packed to the front of the
+pool (only the moved slots are copied) and the free slots take the next queued rows, a row whose prompt is in
+flight joining its entry, each other distinct prompt prefilled once into an entry of its own.
 
 1. Draws: a row's t-th token is a function of its key, t and its logits (plugin.generation.sampling), so its
    slot, its step and its companions change nothing: the no-cache oracle draws the same tokens.
 2. A decode step's state lives on the device (each slot's row, last token, start, column, key, done) and the
    step updates it in place: nothing is read back between checks. Its shapes: the live rows rounded up to the
-   TP degree (compiled: a power of two), and the cache positions attended.
-3. Attention reads its rows' slots in place, up to the longest position attended, through an additive
-   [M, 1, 1, length] mask made once per step for every layer. A resumed row's appended ids are one chunk forward
-   into its slot.
+   TP degree (compiled: two at least), the completion columns and prompt positions attended.
+3. Attention (`_attend`) reads the prompt entries and the slots in place, up to the longest attended, under two
+   additive masks that are the cache's state: an entry's is set when it is prefilled, and a decode step opens one
+   element per slot, its own column. Nothing of a step's length is built per step. A resumed row's appended ids
+   are one chunk forward into its slot.
 4. Ranks: TP peers hold the same rows and draw the same tokens, so they decide alike without talking, and
    data-parallel ranks decode their own queues. `lockstep` (expert parallelism, whose forwards are all-to-alls
    over the data-parallel ranks) makes every rank run the same forwards: an idle rank runs discarded ones.
