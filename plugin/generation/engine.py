@@ -160,9 +160,15 @@ class SlotAttention(nn.Module):
                 keys, values = keys[:R, :, :columns], values[:R, :, :columns]
             else:  # a chunk of appended ids: copies of their slots
                 keys, values = keys[step.slots, :, :columns], values[step.slots, :, :columns]
-            out = _attend(grouped, keys, values, step.seen[:R, :columns], prompt_keys[:E, :, :length],
-                          prompt_values[:E, :, :length], step.prompt_mask[:E, :length], step.by_prompt, step.where, scale)
-            out = out.reshape(R, H, hd).transpose(0, 1)[None]  # [1, H, R, hd]
+            parts = grouped, keys, values, prompt_keys[:E, :, :length], prompt_values[:E, :, :length]
+            if q.device.type == "cpu" and q.dtype != torch.float32:
+                # a CPU without native bf16 (AVX2) ran bf16 batched matmuls 4-5x slower than SDPA, batch by batch; fp32
+                # copies of what a step attends match SDPA's time (its kernel converts its blocks alike)
+                parts = [x.float() for x in parts]
+            query, keys, values, prompt_keys, prompt_values = parts
+            out = _attend(query, keys, values, step.seen[:R, :columns], prompt_keys, prompt_values,
+                          step.prompt_mask[:E, :length], step.by_prompt, step.where, scale)
+            out = out.to(q.dtype).reshape(R, H, hd).transpose(0, 1)[None]  # [1, H, R, hd]
         if mesh is not None:
             out = DTensor.from_local(out, mesh, placements, run_check=False)
         return out
@@ -177,8 +183,9 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seen: tor
     - Their prompts: entry e's queries are gathered to `by_prompt[e]` and meet its keys [E, H_kv, L, hd] in one
       product per entry, so a prompt's keys are read once for its G members and never gathered; row r's scores are
       cell `where[r]` of the result. Only scores and probabilities (no keys) are gathered.
-    The scores are fp32 whatever the cache's dtype. On CPU fp32 this beat SDPA's flash kernel 1.5x at decode shapes
-    (its blocking is made for long queries; these have G query rows)."""
+    The scores are fp32 whatever the cache's dtype. On CPU fp32 batched matmuls beat SDPA's flash kernel 1.5x at decode
+    shapes (its blocking is made for long queries; these have G query rows). SDPA cannot share one softmax between
+    two key sets (it returns no log-sum-exp), so this serves every device."""
     R, H_kv, G, hd = q.shape
     E, members = by_prompt.shape
     scale = hd ** -0.5 if scale is None else scale
