@@ -166,8 +166,9 @@ class SlotAttention(nn.Module):
                 # copies of what a step attends match SDPA's time (its kernel converts its blocks alike)
                 parts = [x.float() for x in parts]
             query, keys, values, prompt_keys, prompt_values = parts
-            out = _attend(query, keys, values, step.seen[:R, :columns], prompt_keys, prompt_values,
-                          step.prompt_mask[:E, :length], step.by_prompt, step.where, scale)
+            with torch.autocast(q.device.type, enabled=False):  # the trainer's autocast would cast them back to bf16
+                out = _attend(query, keys, values, step.seen[:R, :columns], prompt_keys, prompt_values,
+                              step.prompt_mask[:E, :length], step.by_prompt, step.where, scale)
             out = out.to(q.dtype).reshape(R, H, hd).transpose(0, 1)[None]  # [1, H, R, hd]
         if mesh is not None:
             out = DTensor.from_local(out, mesh, placements, run_check=False)
