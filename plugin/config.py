@@ -203,7 +203,7 @@ class Online:
     """Sample with a KV cache (one token per decode step); false runs the no-cache oracle, a full forward per token."""
 
     max_num_seqs: int = 0
-    """Most sequences a rank decodes at once (vLLM's max_num_seqs): the built-in engine's KV cache slots, each as long as the longest row met (at most [training] seq_len + 1 positions), allocated once; more rows wait in its queue and take a slot when one frees. 0 = as many as the largest call's rows. A multiple of the TP degree is used (TP shards the rows)."""
+    """Most sequences a rank decodes at once (vLLM's max_num_seqs): the built-in engine's KV cache slots, each holding a row's completion (max_new_tokens positions), beside one prompt entry per distinct prompt in flight (a group's samples share it; at most [training] seq_len + 1 positions a row), allocated once; more rows wait in its queue and take a slot when one frees. 0 = as many as the largest call's rows. A multiple of the TP degree is used (TP shards the rows)."""
 
     stop_check_every: int = 8
     """Decode steps between stop checks, the decode loop's only host syncs: finished sequences leave their slots there and queued ones take them."""
