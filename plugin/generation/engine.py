@@ -160,16 +160,9 @@ class SlotAttention(nn.Module):
                 keys, values = keys[:R, :, :columns], values[:R, :, :columns]
             else:  # a chunk of appended ids: copies of their slots
                 keys, values = keys[step.slots, :, :columns], values[step.slots, :, :columns]
-            parts = grouped, keys, values, prompt_keys[:E, :, :length], prompt_values[:E, :, :length]
-            if q.device.type == "cpu" and q.dtype != torch.float32:
-                # a CPU without native bf16 (AVX2) ran bf16 batched matmuls 4-5x slower than SDPA, batch by batch; fp32
-                # copies of what a step attends match SDPA's time (its kernel converts its blocks alike)
-                parts = [x.float() for x in parts]
-            query, keys, values, prompt_keys, prompt_values = parts
-            with torch.autocast(q.device.type, enabled=False):  # the trainer's autocast would cast them back to bf16
-                out = _attend(query, keys, values, step.seen[:R, :columns], prompt_keys, prompt_values,
-                              step.prompt_mask[:E, :length], step.by_prompt, step.where, scale)
-            out = out.to(q.dtype).reshape(R, H, hd).transpose(0, 1)[None]  # [1, H, R, hd]
+            out = _attend(grouped, keys, values, step.seen[:R, :columns], prompt_keys[:E, :, :length],
+                          prompt_values[:E, :, :length], step.prompt_mask[:E, :length], step.by_prompt, step.where, scale)
+            out = out.reshape(R, H, hd).transpose(0, 1)[None]  # [1, H, R, hd]
         if mesh is not None:
             out = DTensor.from_local(out, mesh, placements, run_check=False)
         return out
@@ -187,6 +180,18 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seen: tor
     The scores are fp32 whatever the cache's dtype. On CPU fp32 batched matmuls beat SDPA's flash kernel 1.5x at decode
     shapes (its blocking is made for long queries; these have G query rows). SDPA cannot share one softmax between
     two key sets (it returns no log-sum-exp), so this serves every device."""
+    dtype = q.dtype
+    if q.device.type == "cpu" and dtype != torch.float32:
+        # a CPU without native bf16 (AVX2) ran bf16 batched matmuls 4-5x slower than SDPA, batch by batch; fp32 copies
+        # of what a step attends match SDPA's time (its kernel converts its blocks alike)
+        q, keys, values, prompt_keys, prompt_values = (x.float() for x in (q, keys, values, prompt_keys, prompt_values))
+    with torch.autocast(q.device.type, enabled=False):  # the trainer's autocast would cast them back to bf16
+        return _attend_parts(q, keys, values, seen, prompt_keys, prompt_values, prompt_mask, by_prompt, where,
+                             scale).to(dtype)
+
+
+def _attend_parts(q, keys, values, seen, prompt_keys, prompt_values, prompt_mask, by_prompt, where, scale):
+    """`_attend` in the queries' dtype."""
     R, H_kv, G, hd = q.shape
     E, members = by_prompt.shape
     scale = hd ** -0.5 if scale is None else scale
@@ -492,13 +497,14 @@ class _Run:
         among them is prefilled once, into an entry of its own."""
         e, dev = self.engine, self.engine.device
         rows = [self.queue.popleft() for _ in range(min(self.S - len(self.live), len(self.queue)))]
-        entries, new = [], {}  # each row's entry; the entries to prefill, with their prompts
+        entries, new = [], []  # each row's entry; the entries to prefill
         for b in rows:
             prompt = tuple(self.prompts[b])
             u = self.entry_of.get(prompt)
             if u is None:  # a free entry is there: those in use are at most the distinct prompts, and the slots
                 u = self.entry_of[prompt] = heapq.heappop(self.free_entries)
-                new[u], self.prompt_of[u], self.prefix[u], self.first_row[u] = prompt, prompt, len(prompt) - 1, b
+                self.prompt_of[u], self.prefix[u], self.first_row[u] = prompt, len(prompt) - 1, b
+                new.append(u)
             self.users[u] += 1
             entries.append(u)
         if self._anyone(bool(new)):
@@ -521,11 +527,11 @@ class _Run:
         self.cols += [0] * len(rows)
         self.entry += entries
 
-    def _prefill(self, new: dict[int, tuple], rows: list[int], entries: list[int]) -> None:
-        """The prompts `new` (all but each one's last token) through the model at once, their K/V into their entries;
-        an idle peer prefills a discarded prompt."""
+    def _prefill(self, new: list[int], rows: list[int], entries: list[int]) -> None:
+        """Entries `new`'s prompts (all but each one's last token) through the model at once, their K/V into their
+        entries; an idle peer prefills a discarded prompt."""
         e, dev, pool = self.engine, self.engine.device, self.engine.pool
-        firsts = [list(p) for p in new.values()] or [[e.pad_id]]
+        firsts = [list(self.prompt_of[u]) for u in new] or [[e.pad_id]]
         P = _round_up(max(max(map(len, firsts)) - 1, 1), e.tp)
         order = {u: k for k, u in enumerate(new)}
         routed = [(b, order[u]) for b, u in zip(rows, entries) if u in order] or [(self.n, 0)]
@@ -533,7 +539,7 @@ class _Run:
         e._at(torch.tensor([b for b, _ in routed], device=dev).repeat_interleave(P), cols.repeat(len(routed)),
               (torch.tensor([k for _, k in routed], device=dev)[:, None] * P + cols).flatten())  # each row's prompt
         step = e.step_inputs
-        step.columns, step.entries = None, torch.tensor(list(new), dtype=torch.long, device=dev)
+        step.columns, step.entries = None, torch.tensor(new, dtype=torch.long, device=dev)
         e.model.hidden_states(e._padded([p[:-1] for p in firsts], P), positions=e._positions(P))
         if new:
             pool.prompt_mask[step.entries] = _visible(torch.tensor([self.prefix[u] for u in new], device=dev) - 1,
