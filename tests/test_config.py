@@ -157,7 +157,7 @@ OUT_OF_RANGE = {
                    log_completions="",
                    num_generations_eval=0, eval_temperature=-1.0, eval_log_completions="",
                    filter_groups="", max_num_gen_batches=-1, behavior_logprobs="vllm",
-                   mask_truncated_completions="", max_num_seqs=-1, stop_check_every=0, compile_decode="",
+                   mask_truncated_completions="", max_num_seqs=-1, stop_check_every=-1, compile_decode="",
                    tools=["no_colon"], max_tool_calling_iterations=-2, tool_call_format="", tool_timeout=-1.0,
                    use_vllm="", vllm_mode="remote", vllm_tensor_parallel_size=-1, vllm_gpu_memory_utilization=1.5,
                    vllm_enable_sleep_mode="", vllm_max_model_length=-1, vllm_seed_per_request="",

@@ -34,14 +34,22 @@ _ROWS_HINT = 64
 _PACKED: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
 
-@torch.library.custom_op("grpo::packed_linear", mutates_args=())
+# the op a compiled step calls: defined with torch.library's low-level API, whose Python kernel runs straight from
+# the dispatcher; `torch.library.custom_op`'s wrapper cost 38 us a call here, 16 ms a decode step of ~200 products
+_LIB = torch.library.Library("grpo", "FRAGMENT")
+_LIB.define("packed_linear(Tensor rows, int handle, int out_features) -> Tensor")
+
+
 def packed_linear(rows: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
     """[N, in] rows times the packed weight of linear `handle` (plus its bias): [N, out_features]."""
     packed, bias = _PACKED[handle]
     return internals.onednn_linear(rows, packed, bias)
 
 
-@packed_linear.register_fake
+_LIB.impl("packed_linear", packed_linear, "CPU")
+
+
+@torch.library.register_fake("grpo::packed_linear", lib=_LIB)
 def _(rows, handle, out_features):
     return rows.new_empty(rows.shape[0], out_features)
 
@@ -59,11 +67,9 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.to(self.dtype).reshape(-1, x.shape[-1])
-        if torch.compiler.is_compiling():
-            out = packed_linear(rows, self.handle, self.out_features)
-        else:  # eager: no custom op dispatch around each of a step's ~200 products
-            packed, bias = _PACKED[self.handle]
-            out = internals.onednn_linear(rows, packed, bias)
+        # eager: the kernel itself, no dispatch around each of a step's ~200 products
+        linear = torch.ops.grpo.packed_linear if torch.compiler.is_compiling() else packed_linear
+        out = linear(rows, self.handle, self.out_features)
         return out.view(*x.shape[:-1], self.out_features)
 
 

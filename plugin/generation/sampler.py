@@ -169,23 +169,25 @@ def generation_mode(model: nn.Module):
 
 class _BaseSampler:
     def __init__(self, model: nn.Module, *, max_new_tokens: int, stop_ids: Sequence[int], temperature: float,
-                 pad_id: int, max_num_seqs: int = 0, check_every: int = 8,
+                 pad_id: int, max_num_seqs: int = 0, check_every: int = 0,
                  autocast: Callable[[], AbstractContextManager] = nullcontext, compile_decode: bool = False):
         """`max_new_tokens` >= 1 and `temperature` >= 0 (0: greedy): [online] and [grpo] check them.
 
         autocast: the training forward's autocast (torchtitan's maybe_enable_amp), so generation
         computes in the trainer's dtype. The built-in engine's own (the oracle has no cache and no
         decode step to cap or compile): max_num_seqs, its KV cache slots (0: the call's rows);
-        check_every, decode steps between the stop checks, the only host syncs of its decode loop;
+        check_every, decode steps between the stop checks, the only host syncs of its decode loop (0: every step on
+        a CPU, where a check syncs nothing and a finished row's steps until it are waste; 8 on a GPU);
         compile_decode, its decode step under torch.compile.
         """
         self.model, self.max_new_tokens, self.temperature, self.pad_id = model, max_new_tokens, temperature, pad_id
-        self.stop_ids, self.max_num_seqs, self.check_every = list(stop_ids), max_num_seqs, check_every
         self.autocast, self.compile_decode = autocast, compile_decode
         self._capture = None  # plugin.model.moe.Capture of the call in progress, when the routing is captured
         self.tp = model.scoring.seq_shards  # sequence parallel shards the sequence dim over the TP ranks
         self.max_seq_len = model.model_args.max_seq_len  # the RoPE table's length
         self.device = next(model.parameters()).device
+        self.stop_ids, self.max_num_seqs = list(stop_ids), max_num_seqs
+        self.check_every = check_every or (1 if self.device.type == "cpu" else 8)
 
     def _at(self, rows: torch.Tensor, positions: torch.Tensor, source: torch.Tensor | None = None) -> None:
         """Where the next forward's tokens sit, for a routing capture: token `source[i]` (default i) of the
