@@ -209,7 +209,7 @@ class Online:
     """Decode steps between stop checks, the decode loop's only host syncs: finished sequences leave their slots there and queued ones take them. 0 = every step on a CPU (where a check syncs nothing, and a row that finished decodes on, discarded, until the next check), 8 on a GPU."""
 
     compile_decode: bool = False
-    """Run the built-in engine's decode step under torch.compile: one graph for the run, its row count and attended lengths traced as sizes. On CPU about 1.2x eager's tokens per second on SmolLM2, after a compile of about 45 s (docs/engine.md)."""
+    """Run the built-in engine's decode step under torch.compile: one graph for the run, its row count and attended lengths traced as sizes. On CPU about 1.2x eager's tokens per second on SmolLM2, after its compile (docs/engine.md)."""
 
     log_completions: bool = False
     """Write every sampled completion, its prompt and rewards to <dump_folder>/completions/batch-<n>-dp<r>.jsonl."""
