@@ -66,18 +66,19 @@ def row_seeds(keys: torch.Tensor, t: int | torch.Tensor) -> torch.Tensor:
 
 
 def uniform(ids: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
-    """[B, count] float32 in (0, 1 - 2^-24]: the hash of each row's two seeds ([B, 1] each, int32) and the global
-    vocab ids [count] (int32). Integer arithmetic, and a conversion that is exact (scaling by a power of two), so a
-    compiled copy (`compiled_uniform`) gives the same bits. (The seeds come as two columns, not one [B, 2]: a
-    compiled copy would give B = 2 the symbol of that 2, and compile again for any other B; so would a column's
-    stride of 2.)"""
+    """[B, count] float32 in [-(1 - 2^-24), 0): -v, for v the hash of each row's two seeds ([B, 1] each, int32) and the
+    global vocab ids [count] (int32), uniform in (0, 1 - 2^-24]. Negated because the noise takes log1p(-v): made
+    negative here, the sign costs no pass of its own. Integer arithmetic, and a conversion that is exact (scaling by
+    a power of two; rounding is symmetric, so -v is bit for bit v negated), so a compiled copy (`compiled_uniform`)
+    gives the same bits. (The seeds come as two columns, not one [B, 2]: a compiled copy would give B = 2 the symbol
+    of that 2, and compile again for any other B; so would a column's stride of 2.)"""
     h = _mix32(ids * _GOLDEN32 + first)  # [B, count]
     # the second seed enters after the mix: rows whose first seeds differ by a multiple of the
     # golden ratio would otherwise draw shifted copies of one stream
     h = (h ^ second) * _F3
     h = h ^ _shr32(h, 15)
-    v = _shr32(h, 1).float() * 2.0**-31 + 2.0**-32  # (0, 1]: float32 rounds the largest 31-bit values up to 1
-    return v.clamp_max(1 - 2.0**-24)  # the largest float32 below 1: E stays finite
+    v = _shr32(h, 1).float() * -2.0**-31 - 2.0**-32  # -v in [-1, 0): float32 rounds the largest 31-bit values to -1
+    return v.clamp_min(2.0**-24 - 1)  # v at most the largest float32 below 1: E stays finite
 
 
 _COMPILED_UNIFORM = None
@@ -99,18 +100,25 @@ def compiled_uniform():
     return _COMPILED_UNIFORM
 
 
+def log_exponential(seeds: torch.Tensor, start: int, count: int, uniform=uniform) -> torch.Tensor:
+    """[B, count] float32 log(E), E = -log(1 - v) ~ Exp(1), for the global vocab ids start..start+count-1 of each row's
+    seeds: minus the Gumbel noise (`gumbel`). `uniform`: the function that hashes -v (this module's `uniform`, or
+    `compiled_uniform()`)."""
+    first, second = (seeds[:, i:i + 1].contiguous() for i in (0, 1))  # contiguous: [B, 1]'s strides say nothing of B
+    u = uniform(torch.arange(start, start + count, dtype=torch.int32, device=seeds.device), first, second)
+    return torch.log1p(u, out=u).neg_().log_()
+
+
 def gumbel(seeds: torch.Tensor, start: int, count: int, uniform=uniform) -> torch.Tensor:
     """[B, count] float32 Gumbel noise for the global vocab ids start..start+count-1 of each row's seeds.
 
     Hashed from (seeds, global id) alone, so a vocab shard draws exactly the full vocabulary's noise
     for its ids. The noise is -log(E) with E = -log(1 - v) ~ Exp(1): v's float32 resolution is finest
     near 0, where E is small and the noise large, i.e. where the winners' noise lives; the largest
-    value is 22.9 (v = 2^-32), so a truncated tail is as rare as 1e-10 per draw. `uniform`: the function
-    that hashes v (this module's `uniform`, or `compiled_uniform()`).
+    value is 22.9 (v = 2^-32), so a truncated tail is as rare as 1e-10 per draw. `uniform`: as
+    `log_exponential`'s.
     """
-    first, second = (seeds[:, i:i + 1].contiguous() for i in (0, 1))  # contiguous: [B, 1]'s strides say nothing of B
-    v = uniform(torch.arange(start, start + count, dtype=torch.int32, device=seeds.device), first, second)
-    return torch.log1p(v.neg_()).neg_().log_().neg_()
+    return log_exponential(seeds, start, count, uniform).neg_()
 
 
 # candidate columns per row: the best score, its global vocab id, its scaled logit, the row's
@@ -139,15 +147,21 @@ def shard_candidates(logits: torch.Tensor, seeds: torch.Tensor, start: int, temp
     best_id, best_z = torch.zeros(B, device=logits.device), torch.zeros(B, device=logits.device)
     m, s = torch.full((B,), -torch.inf, device=logits.device), torch.zeros(B, device=logits.device)
     for c0 in range(0, V, block):
-        z = logits[:, c0:c0 + block].float() / temperature  # [B, C]
-        score = z if greedy else gumbel(seeds, start + c0, z.shape[1], uniform).add_(z)
+        z = logits[:, c0:c0 + block].float()  # [B, C]; the logits themselves in fp32
+        if temperature != 1.0:  # x / 1 is x: at temperature 1 a pass and a copy saved
+            z = z / temperature
+        if greedy:
+            score = z
+        else:  # z + Gumbel noise, as z - log(E): IEEE subtraction is the addition of the negation, bit for bit
+            log_e = log_exponential(seeds, start + c0, z.shape[1], uniform)
+            score = torch.sub(z, log_e, out=log_e)
         value, index = score.max(dim=-1)  # the first of equal maxima
         better = value > best  # strictly: an earlier block's (lower) id wins a tie
         best = torch.where(better, value, best)
         best_id = torch.where(better, (index + start + c0).float(), best_id)  # exact below 2^24
         best_z = torch.where(better, z.gather(-1, index[:, None]).squeeze(-1), best_z)
         m_new = torch.maximum(m, z.amax(dim=-1))
-        s = s * torch.exp(m - m_new) + torch.exp(z - m_new[:, None]).sum(dim=-1)  # online log-sum-exp
+        s = s * torch.exp(m - m_new) + torch.sub(z, m_new[:, None]).exp_().sum(dim=-1)  # online log-sum-exp
         m = m_new
     return torch.stack([best, best_id, best_z, m, s], dim=-1)
 
