@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from test_sampler import KEYS, LOGPROB_ATOL, N, PAD, TEMPERATURE, _counting, build, max_logprob_diff, prompts
+from test_sampler import (KEYS, LOGPROB_ATOL, N, PAD, TEMPERATURE, _counting, _shapes, build, max_logprob_diff, prompts,
+                          shared_prefix_draws, shared_prefix_prompts)
 
 from plugin.generation import engine
 from plugin.generation.engine import KVPool, build_sampler
@@ -160,6 +161,32 @@ def test_a_row_joins_its_prompts_entry_while_a_member_is_in_flight(llama):
     alone = _sampler(model, stops).generate([P[3]], [KEYS[0]])
     assert got.completions[2] == alone.completions[0]
     assert max(abs(x - y) for x, y in zip(alone.logprobs[0], got.logprobs[2])) <= LOGPROB_ATOL
+
+
+def test_prompts_admitted_together_prefill_their_shared_prefix_once(llama):
+    """Distinct prompts admitted together that begin alike: their shared ids go through the model once, as one row,
+    into every entry, then each prompt's own ids attend them; the draws are the oracle's. Prompts that differ in
+    their last id alone (the decode's first input) need no second forward; two prompts sharing 20 ids save too little
+    for a forward of their own (engine._SHARED_PREFIX_SAVES)."""
+    model, stops, _ = llama
+    shared, rows = shared_prefix_prompts()
+    got = shared_prefix_draws(model, stops)
+    assert got["prefills"] == [(1, shared), (3, 5)]  # the third prompt's own ids: its last one alone
+    assert got["cached"].completions == got["oracle"].completions
+    assert max_logprob_diff(got["cached"], got["oracle"]) <= LOGPROB_ATOL
+    common = rows[0][:shared]
+    for tails, forwards in (([[5], [6], [7]], [(1, shared)]), ([[5, 8], [6, 8]], [(2, shared + 1)])):
+        seen = []
+        model.hidden_states = _shapes(model.hidden_states, seen)
+        try:
+            cached = _sampler(model, stops).generate([common + t for t in tails], KEYS[:len(tails)])
+        finally:
+            del model.hidden_states
+        oracle = build_sampler(model, kv_cache=False, max_new_tokens=N, stop_ids=stops, temperature=TEMPERATURE,
+                               pad_id=PAD).generate([common + t for t in tails], KEYS[:len(tails)])
+        assert seen == forwards
+        assert cached.completions == oracle.completions
+        assert max_logprob_diff(cached, oracle) <= LOGPROB_ATOL
 
 
 def test_a_cpu_that_cannot_pack_bf16_generates_with_its_linears_unpacked(llama, monkeypatch):

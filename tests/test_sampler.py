@@ -7,7 +7,6 @@ sampler draws part-way through some sequences, so some completions stop and some
 
 import math
 import random
-import statistics
 
 import pytest
 import torch
@@ -17,7 +16,6 @@ from torch.distributed.tensor import DTensor
 
 from conftest import build_model, run_ranks
 from plugin.generation.engine import KVCacheSampler, SlotAttention, build_sampler
-from plugin.generation.sampler import NoCacheSampler
 from plugin.generation.sampling import (_mix, _mix32, compiled_uniform, gumbel, pick, row_seeds, sample,
                                        shard_candidates)
 
@@ -37,6 +35,28 @@ def prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(1)
     out = [torch.randint(3, 2048, (n,), generator=g).tolist() for n in PROMPT_LENS]
     return [out[SAME_PROMPT.get(i, i)] for i in range(len(out))]
+
+
+def shared_prefix_prompts() -> tuple[int, list[list[int]]]:
+    """Prompts that begin alike (20 ids, a system prompt's part): 3 distinct ones, a group's 2 members among them, one
+    whose all but last token is that prefix alone; and the prefix's length."""
+    P = prompts()
+    common = P[3] + P[1] + P[5]
+    return len(common), [common + P[4], common + P[1], common + P[0], common + P[1]]
+
+
+def shared_prefix_draws(model, stops, **options) -> dict:
+    """The engine's and the oracle's draws of `shared_prefix_prompts`, and the engine's prefill forwards' shapes."""
+    _, rows = shared_prefix_prompts()
+    shapes = []
+    model.hidden_states = _shapes(model.hidden_states, shapes)  # an instance attribute over the method
+    try:
+        cached = _sampler(model, stops, **options).generate(rows, KEYS[:len(rows)])
+    finally:
+        del model.hidden_states
+    oracle = build_sampler(model, kv_cache=False, max_new_tokens=N, stop_ids=stops, temperature=TEMPERATURE,
+                           pad_id=PAD).generate(rows, KEYS[:len(rows)])
+    return dict(cached=cached, oracle=oracle, prefills=shapes)
 
 
 def build(name: str, tp: int = 1, dp: int = 1, *overrides: str, device: str = "cpu"):
@@ -130,6 +150,8 @@ def _layout_worker(rank, world_size, layout, names, stops, out):
     extra = {"dtypes": _dtypes(layout)}
     if layout == (2, 1):
         extra["compiled"] = _compiled_tp(models["grpo_llama3"], stops["grpo_llama3"])
+        # lockstep off, as the online sampler's without EP: lockstep ranks prefill no shared prefix
+        extra["shared_prefix"] = shared_prefix_draws(models["grpo_llama3"], stops["grpo_llama3"], lockstep=False)
         extra["sharded"] = _sharded_sampling(world_size)
     if layout == (1, 2):
         _train_after_generation(rank)
@@ -741,6 +763,14 @@ def test_a_groups_members_share_one_prefill(llama):
         assert max(abs(x - y) for x, y in zip(alone.logprobs[0], lp)) <= LOGPROB_ATOL
 
 
+def _shapes(method, seen: list):
+    def hidden_states(tokens, *args, **kwargs):
+        seen.append(tuple(tokens.shape))
+        return method(tokens, *args, **kwargs)
+
+    return hidden_states
+
+
 def _counting(method, seen: list):
     def hidden_states(tokens, *args, **kwargs):
         seen.append(tokens.shape[0])
@@ -845,6 +875,15 @@ def _compiled_tp(model, stops):
     eager = _sampler(model, stops).generate(prompts(), KEYS)
     compiled = _sampler(model, stops, compile_decode=True).generate(prompts(), KEYS)
     return {"eager": eager, "compiled": compiled}
+
+
+def test_a_shared_prefix_is_prefilled_once_under_tp2(tp2):
+    """TP=2 (head-sharded DTensors in the prefill's attention): the prompts' shared 20 ids are one forward's row, then
+    their own ids (padded to the TP degree) attend it; the draws are the oracle's (rank 0's, in tp2's spawn)."""
+    got = tp2["shared_prefix"]
+    assert got["prefills"] == [(1, 20), (3, 6)]
+    assert got["cached"].completions == got["oracle"].completions
+    assert max_logprob_diff(got["cached"], got["oracle"]) <= LOGPROB_ATOL
 
 
 @pytest.mark.slow  # each rank compiles the decode step for each row count

@@ -195,9 +195,9 @@ class _BaseSampler:
         if self._capture is not None:
             self._capture.at(rows, positions, source)
 
-    def _positions(self, length: int) -> torch.Tensor:
-        """(1, length) positions from 0; padding past the RoPE table reuses its last row."""
-        return torch.arange(length, device=self.device).clamp_max(self.max_seq_len - 1)[None]
+    def _positions(self, length: int, start: int = 0) -> torch.Tensor:
+        """(1, length) positions from `start`; padding past the RoPE table reuses its last row."""
+        return torch.arange(start, start + length, device=self.device).clamp_max(self.max_seq_len - 1)[None]
 
     def _padded(self, prompts: list[list[int]], length: int) -> torch.Tensor:
         """[B, length] prompts, right-padded (or cut) to `length`."""
