@@ -237,3 +237,22 @@ def test_entry_12_nccl_options_timeout():
 
     options = internals.nccl_options(timedelta(seconds=7))
     assert options._timeout == timedelta(seconds=7), "entry 12: ProcessGroupNCCL.Options._timeout"
+
+
+def test_entry_13_llama3_apply_rotary_emb():
+    """The swap targets the function llama3's Attention calls by name, and the real rotation is the complex one's."""
+    from torchtitan.models.llama3.model import model as llama3
+
+    original = llama3.apply_rotary_emb
+    assert "apply_rotary_emb(" in inspect.getsource(llama3.Attention.forward), \
+        "entry 13: llama3's Attention no longer calls apply_rotary_emb by name"
+    freqs_cis = llama3.precompute_freqs_cis(64, 100, 10000.0)
+    xq, xk = torch.randn(2, 7, 9, 64), torch.randn(2, 7, 3, 64)
+    for positions in (None, torch.tensor([[3, 50, 2, 9, 0, 99, 12]])):
+        with internals.llama3_real_rope():
+            assert llama3.apply_rotary_emb is not original
+            got = llama3.apply_rotary_emb(xq, xk, freqs_cis, positions)
+        for a, b in zip(got, original(xq, xk, freqs_cis, positions)):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=0,
+                                       msg=lambda m: f"entry 13: llama3's apply_rotary_emb computes otherwise now: {m}")
+    assert llama3.apply_rotary_emb is original

@@ -312,7 +312,8 @@ class KVCacheSampler(_BaseSampler):
                 internals.lengths_vary((tokens, 1), (positions, 1), (step.columns, 0), (step.seen, 0), (step.seen, 1),
                                        (step.prompt_mask, 0), (step.prompt_mask, 1), (step.by_prompt, 0),
                                        (step.by_prompt, 1), (step.where, 0), (step.span, 0), (step.prompt_span, 0))
-                with torch.compiler.set_stance("default"):  # generation_mode's force_eager is lifted for it
+                # generation_mode's force_eager is lifted for it; llama3's RoPE without complex numbers (entry 13)
+                with torch.compiler.set_stance("default"), internals.llama3_real_rope():
                     return compiled(tokens, positions=positions)
 
             self._compiled = forward
