@@ -248,7 +248,7 @@ def test_entry_13_llama3_apply_rotary_emb():
         "entry 13: llama3's Attention no longer calls apply_rotary_emb by name"
     freqs_cis = llama3.precompute_freqs_cis(64, 100, 10000.0)
     xq, xk = torch.randn(2, 7, 9, 64), torch.randn(2, 7, 3, 64)
-    for positions in (None, torch.tensor([[3, 50, 2, 9, 0, 99, 12]])):
+    for positions in (None, torch.tensor([[3, 50, 2, 9, 0, 99, 12]]), torch.randint(0, 100, (2, 7))):
         with internals.llama3_real_rope():
             assert llama3.apply_rotary_emb is not original
             got = llama3.apply_rotary_emb(xq, xk, freqs_cis, positions)

@@ -237,9 +237,8 @@ def _real_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
                      positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """torchtitan llama3's `apply_rotary_emb` in real arithmetic: x's pairs (a, b) times the table's (cos, sin)."""
     table = torch.view_as_real(freqs_cis)  # [positions, head_dim / 2, 2]
-    seqlen = xq.shape[1]
-    table = table[:seqlen] if positions is None else table[positions.reshape(-1)]
-    cos, sin = (table[None, :, None, :, i] for i in (0, 1))  # [1, T, 1, head_dim / 2]
+    table = table[:xq.shape[1]][None] if positions is None else table[positions]  # [1 or B, T, head_dim / 2, 2]
+    cos, sin = (table[:, :, None, :, i] for i in (0, 1))  # [1 or B, T, 1, head_dim / 2]
 
     def rotate(x):
         pairs = x.float().reshape(*x.shape[:-1], -1, 2)
