@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from test_sampler import (KEYS, LOGPROB_ATOL, N, PAD, TEMPERATURE, _counting, _shapes, build, max_logprob_diff, prompts,
+from test_sampler import (KEYS, LOGPROB_ATOL, N, PAD, TEMPERATURE, build, max_logprob_diff, prefill_shapes, prompts,
                           shared_prefix_draws, shared_prefix_prompts)
 
 from plugin.generation import engine
@@ -148,14 +148,10 @@ def test_a_row_joins_its_prompts_entry_while_a_member_is_in_flight(llama):
     P = prompts()
     rows, keys = [P[3], P[1], P[3]], [KEYS[3], KEYS[1], KEYS[0]]
     assert len(base.completions[1]) < len(base.completions[3])  # row 1 frees its slot first
-    prefills = []
     pool = KVPool()
-    model.hidden_states = _counting(model.hidden_states, prefills)  # an instance attribute over the method
-    try:
+    with prefill_shapes(model) as prefills:
         got = _sampler(model, stops, max_num_seqs=2, check_every=1, pool=pool).generate(rows, keys)
-    finally:
-        del model.hidden_states
-    assert prefills == [2]  # the first admission's two distinct prompts; row 2 joined P3's entry
+    assert [n for n, _ in prefills] == [2]  # the first admission's two distinct prompts; row 2 joined P3's entry
     assert pool.entries == 2 and pool.prompts[0][0].shape[0] == 2
     assert got.completions[:2] == [base.completions[3], base.completions[1]]
     alone = _sampler(model, stops).generate([P[3]], [KEYS[0]])
@@ -176,17 +172,10 @@ def test_prompts_admitted_together_prefill_their_shared_prefix_once(llama):
     assert max_logprob_diff(got["cached"], got["oracle"]) <= LOGPROB_ATOL
     common = rows[0][:shared]
     for tails, forwards in (([[5], [6], [7]], [(1, shared)]), ([[5, 8], [6, 8]], [(2, shared + 1)])):
-        seen = []
-        model.hidden_states = _shapes(model.hidden_states, seen)
-        try:
-            cached = _sampler(model, stops).generate([common + t for t in tails], KEYS[:len(tails)])
-        finally:
-            del model.hidden_states
-        oracle = build_sampler(model, kv_cache=False, max_new_tokens=N, stop_ids=stops, temperature=TEMPERATURE,
-                               pad_id=PAD).generate([common + t for t in tails], KEYS[:len(tails)])
-        assert seen == forwards
-        assert cached.completions == oracle.completions
-        assert max_logprob_diff(cached, oracle) <= LOGPROB_ATOL
+        got = shared_prefix_draws(model, stops, [common + t for t in tails])
+        assert got["prefills"] == forwards
+        assert got["cached"].completions == got["oracle"].completions
+        assert max_logprob_diff(got["cached"], got["oracle"]) <= LOGPROB_ATOL
 
 
 def test_a_cpu_that_cannot_pack_bf16_generates_with_its_linears_unpacked(llama, monkeypatch):

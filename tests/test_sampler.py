@@ -5,6 +5,7 @@ with the same seed, so every layout holds the same weights. Stop ids are tokens 
 sampler draws part-way through some sequences, so some completions stop and some are truncated.
 """
 
+import contextlib
 import math
 import random
 
@@ -45,15 +46,12 @@ def shared_prefix_prompts() -> tuple[int, list[list[int]]]:
     return len(common), [common + P[4], common + P[1], common + P[0], common + P[1]]
 
 
-def shared_prefix_draws(model, stops, **options) -> dict:
-    """The engine's and the oracle's draws of `shared_prefix_prompts`, and the engine's prefill forwards' shapes."""
-    _, rows = shared_prefix_prompts()
-    shapes = []
-    model.hidden_states = _shapes(model.hidden_states, shapes)  # an instance attribute over the method
-    try:
+def shared_prefix_draws(model, stops, rows=None, **options) -> dict:
+    """The engine's and the oracle's draws of `rows` (default `shared_prefix_prompts`'), and the engine's prefill
+    forwards' shapes."""
+    rows = rows or shared_prefix_prompts()[1]
+    with prefill_shapes(model) as shapes:
         cached = _sampler(model, stops, **options).generate(rows, KEYS[:len(rows)])
-    finally:
-        del model.hidden_states
     oracle = build_sampler(model, kv_cache=False, max_new_tokens=N, stop_ids=stops, temperature=TEMPERATURE,
                            pad_id=PAD).generate(rows, KEYS[:len(rows)])
     return dict(cached=cached, oracle=oracle, prefills=shapes)
@@ -750,33 +748,29 @@ def test_a_groups_members_share_one_prefill(llama):
     model, base = llama
     group = [prompts()[i] for i in (0, 1, 3) for _ in range(3)]
     keys = [KEYS[i] + m for i in range(3) for m in range(3)]
-    prefills = []
-    model.hidden_states = _counting(model.hidden_states, prefills)  # an instance attribute over the method
-    try:
+    with prefill_shapes(model) as prefills:
         together = _sampler(model, base["stops"]).generate(group, keys)
-    finally:
-        del model.hidden_states
-    assert prefills == [3]  # one prefill, of the distinct prompts
+    assert [rows for rows, _ in prefills] == [3]  # one prefill, of the distinct prompts
     for p, k, c, lp in zip(group, keys, together.completions, together.logprobs):
         alone = _sampler(model, base["stops"]).generate([p], [k])
         assert alone.completions[0] == c
         assert max(abs(x - y) for x, y in zip(alone.logprobs[0], lp)) <= LOGPROB_ATOL
 
 
-def _shapes(method, seen: list):
+@contextlib.contextmanager
+def prefill_shapes(model):
+    """The shapes of the token batches `model.hidden_states` (the engine's prefill) takes inside the block."""
+    seen, method = [], model.hidden_states
+
     def hidden_states(tokens, *args, **kwargs):
         seen.append(tuple(tokens.shape))
         return method(tokens, *args, **kwargs)
 
-    return hidden_states
-
-
-def _counting(method, seen: list):
-    def hidden_states(tokens, *args, **kwargs):
-        seen.append(tokens.shape[0])
-        return method(tokens, *args, **kwargs)
-
-    return hidden_states
+    model.hidden_states = hidden_states  # an instance attribute over the method
+    try:
+        yield seen
+    finally:
+        del model.hidden_states
 
 
 def test_the_cap_splits_calls_with_the_same_samples(llama):

@@ -29,15 +29,14 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torchtitan.tools.logging import logger
 
 from plugin.generation.onednn import packed_linears
-from plugin.generation.sampler import (NoCacheSampler, Sampler, Samples, Turns, _BaseSampler, _any_rank, _max_rank,
-                                       _round_up, _to_keys, check_prompts, generation_mode, resume_turns)
+from plugin.generation.sampler import (NoCacheSampler, Sampler, Samples, Turns, _BaseSampler, _any_rank, _distributed,
+                                       _max_rank, _round_up, _to_keys, check_prompts, generation_mode, resume_turns)
 from plugin.generation.sampling import compiled_uniform, local_vocab, row_seeds, sample_sharded, uniform
 from plugin.model.attention import attention_modules
 from plugin.runtime import internals
@@ -225,10 +224,6 @@ def _attend_parts(q, keys, values, seen, prompt_keys, prompt_values, prompt_mask
 # the prefill's tokens a shared prefix must save ((prompts - 1) x its length) to go through the model on its own: a
 # forward's fixed cost was about 28 tokens' compute (SmolLM2 on 2 CPU cores: 50 ms for 1 token, +1.7 ms a token)
 _SHARED_PREFIX_SAVES = 32
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _visible(columns: torch.Tensor, length: int) -> torch.Tensor:

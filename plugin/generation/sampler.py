@@ -104,9 +104,14 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def _distributed() -> bool:
+    """Whether a default process group of more than one rank exists."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def _max_rank(value: int, device) -> int:
     """The largest `value` over the ranks of the default process group."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not _distributed():
         return value
     x = torch.tensor([value], device=device)
     dist.all_reduce(x, op=dist.ReduceOp.MAX)
